@@ -1,0 +1,1 @@
+"""Environments: one module per benchmark (tasks, the two roles' prompts, turn order, reward)."""

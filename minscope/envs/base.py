@@ -1,0 +1,90 @@
+"""What an environment is: the data an episode carries and the hooks the rollout engine calls.
+
+An environment never imports the trainer or the simulators. It says, for a task:
+  - what each party is told (`agent_messages`, `partner_messages`: leading chat messages,
+    usually one system message; `agent_tools`: JSON tool schemas for the agent's template),
+  - who speaks first, and after every turn who speaks next, or that the episode is over
+    (`after_turn`, which may also inject environment turns such as tool results),
+  - the reward (`score`), and which simulator reward Co-Training uses by default.
+
+Roles inside an episode are always "agent" (the policy being trained), "partner" (the user
+simulator, or a second agent in symmetric tasks) and "env" (tool results and other
+environment text, never trained on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Turn:
+    role: str                       # "agent" | "partner" | "env"
+    text: str                       # what enters the conversation
+    token_ids: list[int] | None = None   # exact sampled ids (generated turns only)
+    public: bool = True             # False: the partner does not see it (e.g. tool calls)
+    meta: dict = field(default_factory=dict)  # e.g. VS candidates, tool name
+
+
+@dataclass
+class Episode:
+    task: Any
+    group: int                      # index of the rollout group (same task, G samples)
+    turns: list[Turn] = field(default_factory=list)
+    reward: float = 0.0             # the policy's reward
+    sim_reward: float = 0.0         # the simulator's reward (Co-Training)
+    info: dict = field(default_factory=dict)
+    done: bool = False
+    partner_name: str = ""          # which simulator / pool member served this episode
+
+    def texts(self, role: str) -> list[str]:
+        return [t.text for t in self.turns if t.role == role]
+
+    def transcript(self, names=("agent", "partner")) -> str:
+        label = {"agent": names[0], "partner": names[1], "env": "env"}
+        return "\n".join(f"{label[t.role]}: {t.text}" for t in self.turns)
+
+
+@dataclass
+class Step:
+    """What the environment says after a turn."""
+    next_speaker: str | None        # "agent" | "partner", or None when the episode is over
+    inject: list[Turn] = field(default_factory=list)  # env turns appended before the next one
+
+
+class Environment:
+    """Base class; subclasses override what differs. Defaults: agent opens, strict
+    alternation, `max_turns` generated turns in total."""
+
+    name = "base"
+    agent_name = "agent"            # display names used in transcripts
+    partner_name = "user"
+    max_turns = 10
+    default_simulator_reward = "adversarial"
+    symmetric = False               # both roles are the same kind of player (self-play)
+
+    def tasks(self, split: str) -> list[Any]:
+        raise NotImplementedError
+
+    def agent_messages(self, task) -> list[dict]:
+        return []
+
+    def partner_messages(self, task) -> list[dict]:
+        return []
+
+    def agent_tools(self, task) -> list[dict] | None:
+        return None
+
+    def first_speaker(self, task) -> str:
+        return "agent"
+
+    def after_turn(self, episode: Episode) -> Step:
+        generated = sum(t.role != "env" for t in episode.turns)
+        if generated >= self.max_turns:
+            return Step(None)
+        last = episode.turns[-1].role
+        return Step("partner" if last == "agent" else "agent")
+
+    def score(self, episode: Episode) -> tuple[float, dict]:
+        raise NotImplementedError

@@ -1,0 +1,276 @@
+"""Persuasion for Good: the agent persuades a simulated crowd worker to donate to charity.
+
+The agent is the persuader and opens the conversation; the simulator (the "partner") is
+the persuadee, played from a real participant's survey answers (see p4g_data.py). The
+persuadee has just earned $2 and may give any part of it to Save the Children; a gift is
+stated as `[DONATE $N]` or `[GIVE $N]`. Reward = min(donation / 2, 1), where the donation
+is the last amount the persuadee stated (`episode_donation`), $0 when none was stated.
+
+Choices made here:
+  - Episodes always run `max_turns` turns (10: 5 persuader, 5 persuadee; the persuadee
+    has the last word). They do not end at the first tag, because the last amount stated
+    counts and a persuadee may revise a pledge.
+  - `max_words` is a per-message word cap stated in both prompts; the rollout engine's
+    per-turn token cap is the hard limit. Messages are not cut here, since cutting could
+    drop a donation tag at the end of a message.
+  - Tasks are persuadee personas (one per user id), split train/test by a hash of the id
+    (`persona_split`); held-out evaluation uses `tasks("test")` only.
+  - The simulator's Co-Training reward defaults to adversarial (-r_policy), as in the
+    paper for this benchmark; Verbalized Sampling, when used, applies to the persuadee.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from minscope.envs.base import Environment, Episode
+from minscope.envs.p4g_data import load_p4g, persona_split, render_persona
+
+MAX_DONATION = 2.0
+
+
+# ------------------------------------------------------------------- donation parsing
+#
+# Order of evidence: a tag `[DONATE $N]` / `[GIVE $N]` anywhere in the text wins; without
+# one, a plain-language reading of the text's statements. In both cases the last amount
+# stated counts, and it is clamped to [0, 2]. The plain-language reading keeps it simple:
+#   - questions are skipped ("Would $1 be enough?" states nothing), where a question is a
+#     sentence ending in "?" that opens with an auxiliary or wh-word ("I'll give $1, is
+#     that ok?" still states $1);
+#   - an amount counts only in a sentence with an intent-to-give word (donate, give,
+#     contribute, pledge, spare, "I'll do", "go with", ...) — past tense ("I donated $20
+#     last year") is not intent;
+#   - an amount right after "of"/"out of"/"from" is the base ("$1 of my $2"), not a gift;
+#   - an amount that is the object of a negated giving verb ("I can't give $2") or of
+#     "keep" ("I'll keep my full $2") is not a gift; a negated giving verb without a
+#     partial object ("I won't donate", not "I can't give more") or "I'd rather keep it"
+#     is a refusal, i.e. $0;
+#   - "0.50 cents" means fifty cents (nobody pledges part of a cent).
+
+_NUM = r"(\d+(?:\.\d+)?|\.\d+)"
+_TAG = re.compile(r"\[\s*(?:donate|give)\s*:?\s*\$?\s*" + _NUM + r"(\s*cents?)?", re.I)
+_SMALL = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7,
+          "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "fifteen": 15,
+          "twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60,
+          "seventy": 70, "eighty": 80, "ninety": 90}
+_WORDNUM = (r"((?:twenty|thirty|forty|fifty|sixty|seventy|eighty|ninety)"
+            r"(?:[\s-]+(?:one|two|three|four|five|six|seven|eight|nine))?"
+            r"|one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|fifteen)")
+_WHOLE_PAYMENT = (r"(?:\$\s*2(?:\.00?)?|2\s*dollars|two\s+dollars"
+                  r"|amount|payment|bonus|reward|pay|money|earnings|thing)")
+
+
+def _cents(number: str) -> float:
+    """Dollars in "<number> cents"; "0.50 cents" / ".25 cents" mean 50 / 25 cents."""
+    return float(number) if "." in number and float(number) < 1 else float(number) / 100
+
+
+def _word_number(words: str) -> float:
+    """"twenty five" / "twenty-five" / "ten" -> 25 / 25 / 10."""
+    return float(sum(_SMALL[w] for w in re.split(r"[\s-]+", words.lower())))
+
+
+def _rx(*parts: str) -> re.Pattern:
+    return re.compile("".join(parts), re.I)
+
+
+# (pattern, value from match) in priority order; an earlier pattern's span blocks later ones.
+_AMOUNTS = [
+    # "the whole $2", "my entire payment", "all of it", "all my bonus", "give it all"
+    (_rx(r"\b(?:the|my|it|that|this)\s+(?:whole|entire|full)\s+", _WHOLE_PAYMENT, r"\b"), lambda m: 2.0),
+    (_rx(r"\ball\s+(?:of\s+)?(?:it\b|(?:my|the)\s+", _WHOLE_PAYMENT, r"\b)"), lambda m: 2.0),
+    (_rx(r"\b(?:donate|give|contribute)\s+(?:it\s+)?(?:all|everything)\b",
+         r"(?!\s+(?:the\s+)?(?:children|kids|of\s+them))"), lambda m: 2.0),
+    (_rx(r"\bhalf\s+(?:of\s+)?(?:it|my|the|that)\b"), lambda m: 1.0),
+    # words: "a dollar", "half a dollar", "ten dollars", "twenty-five cents", "one penny"
+    (_rx(r"\b(half\s+a|a|", _WORDNUM, r")\s+(?:dollars?|bucks?)\b"),
+     lambda m: {"half a": 0.5, "a": 1.0}.get(re.sub(r"\s+", " ", m[1].lower())) or _word_number(m[1])),
+    (_rx(r"\b", _WORDNUM, r"\s+(?:cents?|penny|pennies)\b"), lambda m: _word_number(m[1]) / 100),
+    # digits: "$1.50", "1$", "2 dollars", "50 cents", "50c", and a bare "donate 0.5"
+    (_rx(r"\$\s*", _NUM), lambda m: float(m[1])),
+    (_rx(_NUM, r"\s*\$"), lambda m: float(m[1])),
+    (_rx(_NUM, r"\s*(?:dollars?|bucks?|usd)\b"), lambda m: float(m[1])),
+    (_rx(_NUM, r"(?:\s*(?:cents?|penny|pennies)\b|\s*¢|c\b)"), lambda m: _cents(m[1])),
+    (_rx(r"\b(?:donate|donating|give|giving|contribute|contributing|pledge)\s+",
+         r"(?:just\s+|only\s+|about\s+|around\s+)?", _NUM,
+         r"(?!\s*(?:%|percent|cents?\b|penny\b|pennies\b|dollars?\b|bucks?\b|¢|\$|\d))"),
+     lambda m: float(m[1])),
+]
+_INTENT = _rx(r"\b(?:donate|donating|donation|give|giving|contribute|contributing|contribution",
+              r"|pledge|spare|chip\s+in|put\s+in|part\s+with|go\s+with",
+              r"|(?:i'?ll|i\s+will|i\s+can|i\s+could|i'?d|let'?s|lets)\s+do)\b")
+_BASE_REF = _rx(r"\b(?:out\s+of|of|from)\s+(?:my|the|your|our|this|that)?\s*$")
+_NEGATED_GIVING = _rx(
+    r"\b(?:not|never|won'?t|wont|can'?t|cant|cannot|don'?t|dont|wouldn'?t|unable)\s+",
+    r"(?:(?:really|think|want|wanna|plan|intend|to|be|i|i'?ll|will|feel|like|able|going|gonna",
+    r"|comfortable|afford|actually|willing|interested|in|make|making|a|any|do|am|would|need)\s+){0,4}",
+    r"(?:donate|donating|donation|give|giving|contribute|contributing)\b")
+# After a negated giving verb these words make the refusal partial ("can't give more").
+_PARTIAL = _rx(r"\s*(?:\$|\d|(?:any\s*)?more\b|much\b|that\s+much|a\s+lot|all\b",
+               r"|the\s+(?:whole|full|entire)|everything|as\s+much|(?:a|one|two)\s+dollar|half)")
+_REFUSAL = _rx(r"\b(?:no\s+donation|(?:donate|give)\s+(?:nothing|zero)|nothing\s+to\s+(?:donate|give)",
+               r"|keep\s+(?:all\b|it\b|my\b|the\s+(?:whole|full|entire|money|\$?2))",
+               r"|i'?ll\s+pass\b|i\s+will\s+pass\b",
+               r"|pass\s+on\s+(?:donating|the\s+donation|this|that|it)\b)")
+_SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
+_QUESTION = _rx(r"^\W*(?:(?:so|ok|okay|well|and|but|oh|then|hmm)\W+)*",
+                r"(?:would|could|can|should|shall|will|do|does|did|is|are|was|were|may|might",
+                r"|how|what|why|where|when|which|who|if)\b")
+
+
+def _clamp(x: float) -> float:
+    return min(max(x, 0.0), MAX_DONATION)
+
+
+def _statement_events(sentence: str) -> list[tuple[int, float]]:
+    """(position, amount) of every gift or refusal stated in one sentence."""
+    events = []
+    negations = list(_NEGATED_GIVING.finditer(sentence))
+    for neg in negations:
+        if not _PARTIAL.match(sentence, neg.end()):
+            events.append((neg.start(), 0.0))
+    refusals = list(_REFUSAL.finditer(sentence))
+    events += [(m.start(), 0.0) for m in refusals]
+    if _INTENT.search(sentence):
+        taken: list[tuple[int, int]] = []
+        for pattern, value in _AMOUNTS:
+            for m in pattern.finditer(sentence):
+                if any(m.start() < b and a < m.end() for a, b in taken):
+                    continue
+                taken.append((m.start(), m.end()))
+                if _BASE_REF.search(sentence[:m.start()]):
+                    continue          # "$1 of my $2": the $2 is the base, not a gift
+                if any(n.start() <= m.start() and m.start() - n.end() <= 30
+                       and not re.search(r"[,;]|\b(?:but|and)\b", sentence[n.end():m.start()])
+                       for n in negations + refusals):
+                    continue          # "I can't give $2", "keep my full $2": not a gift
+                events.append((m.start(), value(m)))
+    return sorted(events)
+
+
+def parse_donation(text: str) -> float | None:
+    """The donation a message (or several joined by newlines) states, in dollars, clamped
+    to [0, 2]; None when it states none. Tags first, plain language second; the last
+    amount stated counts. Refusals ("I won't donate") read as 0."""
+    text = text.replace("\u2019", "'")
+    tags = list(_TAG.finditer(text))
+    if tags:
+        last = tags[-1]
+        return _clamp(_cents(last[1]) if last[2] else float(last[1]))
+    last = None
+    for sentence in _SENTENCE.split(text):
+        if not sentence.strip() or (sentence.rstrip().endswith("?") and _QUESTION.match(sentence)):
+            continue
+        events = _statement_events(sentence)
+        if events:
+            last = events[-1][1]
+    return None if last is None else _clamp(last)
+
+
+def episode_donation(episode: Episode) -> float | None:
+    """The last amount the persuadee stated across the conversation (tags anywhere win
+    over plain language), or None."""
+    return parse_donation("\n".join(episode.texts("partner")))
+
+
+# A persuader message asks for money when one sentence has both a request phrase and a
+# money/donation word. Simple and transparent; it counts messages, not sentences.
+_REQUEST = _rx(r"\b(?:would|could|will|can|won'?t)\s+you\b|\bare\s+you\s+(?:willing|able|interested|open)\b",
+               r"|\bhow\s+much\b|\bplease\b|\bconsider\b|\bwhy\s+not\b|\bwhat\s+about\b|\bhow\s+about\b")
+_MONEY = _rx(r"donat|\bgive\b|\bgiving\b|contribut|pledge|\$|\bdollars?\b|\bcents?\b")
+
+
+def is_donation_ask(text: str) -> bool:
+    return any(_REQUEST.search(s) and _MONEY.search(s) for s in _SENTENCE.split(text))
+
+
+# ---------------------------------------------------------------------------- prompts
+
+PERSUADER_PROMPT = """\
+You are chatting online with another crowd worker. Your goal is to persuade them to donate \
+to Save the Children, a charity that helps children in developing countries with health \
+care, education and safety. They have just earned $2 for this task. Ask them for a \
+specific amount out of that $2 (anything from $0.01 to the full $2), and make clear that \
+whatever they pledge is deducted from their $2 payment and passed on to the charity by the \
+research team. You open the conversation. Be honest and friendly, keep each message under \
+{max_words} words, and remember you have {agent_turns} messages in total."""
+
+PERSUADEE_PROMPT = """\
+You are a crowd worker taking part in an online chat study, and you have just earned $2 \
+for it. Your chat partner will talk to you about a charity. The $2 is yours: you are free \
+to keep all of it, give part of it, or give all of it; whatever you decide to give is \
+deducted from your $2. Decide carefully, the way the person described below would, and do \
+not give just because you are asked.
+
+About you:
+{persona}
+
+If you decide to give, state the amount with a tag: [DONATE $N] (or [GIVE $N]), for \
+example [DONATE $0.50]; to give nothing, write [DONATE $0]. If you change your mind, state \
+the new amount the same way: the last amount you state counts. Reply as this person would \
+in a chat, not as an assistant, and keep each message under {max_words} words."""
+
+
+# ------------------------------------------------------------------------ environment
+
+@dataclass
+class P4GTask:
+    id: str                         # the persuadee's user id
+    persona: dict                   # clean survey answers (see p4g_data.clean_survey)
+    persona_text: str               # render_persona(persona)
+
+
+class P4GEnv(Environment):
+    """Persuasion for Good over the persuadee personas of one split."""
+
+    name = "p4g"
+    agent_name = "persuader"
+    partner_name = "persuadee"
+    default_simulator_reward = "adversarial"
+
+    def __init__(self, data_path, split: str = "train", max_turns: int = 10,
+                 max_words: int = 60, test_fraction: float = 0.2):
+        self.corpus = load_p4g(data_path)   # raises P4GDataNotFound with how to get the data
+        self.split = split
+        self.max_turns = max_turns
+        self.max_words = max_words
+        self.test_fraction = test_fraction
+        self._tasks = [P4GTask(id=u, persona=self.corpus.surveys[u],
+                               persona_text=render_persona(self.corpus.surveys[u]))
+                       for u in self.corpus.persuadee_ids()]
+
+    def tasks(self, split: str | None = None) -> list[P4GTask]:
+        """Tasks of "train", "test" or "all" (default: the split given at construction)."""
+        split = split or self.split
+        if split not in ("train", "test", "all"):
+            raise ValueError(f"P4G split must be 'train', 'test' or 'all', not {split!r}")
+        return [t for t in self._tasks
+                if split == "all" or persona_split(t.id, self.test_fraction) == split]
+
+    def persona_bank(self, split: str | None = None) -> list[str]:
+        return [t.persona_text for t in self.tasks(split)]
+
+    def agent_messages(self, task: P4GTask) -> list[dict]:
+        agent_turns = (self.max_turns + 1) // 2
+        return [{"role": "system", "content": PERSUADER_PROMPT.format(
+            max_words=self.max_words, agent_turns=agent_turns)}]
+
+    def partner_messages(self, task: P4GTask) -> list[dict]:
+        return [{"role": "system", "content": PERSUADEE_PROMPT.format(
+            persona=task.persona_text, max_words=self.max_words)}]
+
+    def first_speaker(self, task) -> str:
+        return "agent"
+
+    def score(self, episode: Episode) -> tuple[float, dict]:
+        donation = episode_donation(episode)
+        amount = 0.0 if donation is None else donation
+        info = {
+            "donation": amount,
+            "donation_stated": donation is not None,
+            "asks": sum(is_donation_ask(t) for t in episode.texts("agent")),
+            "turns": sum(t.role != "env" for t in episode.turns),
+            "words": sum(len(t.text.split()) for t in episode.turns if t.role != "env"),
+        }
+        return min(amount / MAX_DONATION, 1.0), info

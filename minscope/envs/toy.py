@@ -1,0 +1,439 @@
+"""Toy persuasion: a small explicit model of "real users" with exact reference values.
+
+A persuader (the policy) has `n_turns` short turns to get a donation of up to 2 dollars from
+a persuadee. The persuadee population is an explicit stochastic model, so every policy can
+be valued exactly, and the ceilings every report shows are computed, not estimated.
+
+The world, in one screen:
+  - 4 persona types (the tasks). Each has one KEY strategy that persuades it. The simulator
+    is told the persona; the policy is not (as in P4G).
+  - 7 persuader acts, each a fixed short utterance: a probe, 4 strategies, a small ask
+    (1 dollar) and a big ask (2 dollars). Any other text is the act "invalid".
+  - 17 persuadee replies, each a fixed short utterance whose FIRST WORD is unique, so that
+    sharpening an LM's first token is sharpening the reply distribution.
+  - The probe reveals the persona with `cue_rate` (split over two phrasings), otherwise a
+    bland "hmm hard to say" (the single most likely reply) or another persona's cue (noise).
+  - The matched strategy usually persuades ("wow ..."); a mismatched one is sometimes
+    resented ("stop ..."). A resentful user refuses asks. A persuaded one gives 2 dollars.
+  - Pressure: an unpersuaded user asked for 2 dollars usually hesitates ("maybe later");
+    asked again, gives in with `pressure_yes` (> 1/2) and refuses otherwise. Asking again
+    after a pledge risks a retraction.
+  - Reward = last stated donation / 2 ("no thanks" states 0; none stated = 0).
+
+Why this shape (see docs/TOY_NOTES.md): the probe's information is SPREAD over several
+phrasings, each less likely than the bland reply; pushback is always a minority reply.
+Gamma-sharpening (`sharpened`) therefore deletes both: the sharpened users never reveal
+their persona and never resent pressure, so inside them "ask big twice" beats everything,
+while on the real users it is worth little; the real users pay well for probing and
+then using the matched strategy (the adaptive ceiling), clearly above any fixed sequence.
+
+Histories are tuples of utterance strings, agent first, alternating: a policy sees an
+even-length history (ending with a reply, or empty) and a reply distribution is asked for
+an odd-length one (ending with the agent's act).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import Environment, Episode, Step, Turn
+
+# ---------------------------------------------------------------------------- vocabulary
+
+ACTS = {  # act key -> the utterance the persuader says
+    "probe": "what matters to you?",
+    "emotion": "think of a hungry child",
+    "evidence": "the data shows it works",
+    "social": "your friends already gave",
+    "benefit": "it is tax deductible",
+    "small_ask": "would you give 1 dollar?",
+    "big_ask": "would you give 2 dollars?",
+}
+ACT_KEYS = tuple(ACTS)
+STRATEGIES = ("emotion", "evidence", "social", "benefit")
+INVALID = "invalid"
+
+# Persona i's key strategy is STRATEGIES[i]; its two cue phrasings name what it cares about.
+PERSONAS = ("the empath", "the analyst", "the joiner", "the saver")
+CUES = (("kids in need move me", "feelings guide me", "sad stories touch me"),
+        ("data convinces me", "proof matters to me", "numbers never lie"),
+        ("friends matter to me", "everyone giving inspires me", "community counts"),
+        ("taxes worry me", "money is tight", "savings come first"))
+
+BLAND = "hmm hard to say"
+WOW = "wow that moves me"            # persuaded
+OKAY = "okay i see"                  # unmoved
+STOP = "stop pushing me"             # resentful (pushback)
+YES2 = "yes i give 2 dollars"
+SURE1 = "sure i give 1 dollar"
+MAYBE = "maybe later"
+NO = "no thanks"
+WHAT = "what do you mean"            # reply to text that is not an act
+REPLIES = (BLAND, *[c for pair in CUES for c in pair], WOW, OKAY, STOP, YES2, SURE1, MAYBE, NO, WHAT)
+STATED = {YES2: 2.0, SURE1: 1.0, NO: 0.0}   # replies that state a donation
+RESENTFUL = (STOP, NO)
+
+
+@dataclass(frozen=True)
+class ToyTask:
+    """A task is a persona type: the simulator is told `name`, the policy is not."""
+    persona: int
+    name: str
+
+
+def normalize(text: str) -> str:
+    """Lower-case, single spaces, no surrounding punctuation: what exact matching compares."""
+    return " ".join(text.lower().strip().strip(" .!?,;:\"'").split())
+
+
+_ACT_BY_TEXT = {normalize(t): k for k, t in ACTS.items()}
+_REPLY_BY_TEXT = {normalize(r): r for r in REPLIES}
+
+
+def text_to_act(text: str) -> str:
+    """Map an utterance to its act key by exact match after normalisation; else 'invalid'."""
+    return _ACT_BY_TEXT.get(normalize(text), INVALID)
+
+
+def canonical_reply(text: str) -> str | None:
+    """The reply in REPLIES this text is (after normalisation), or None."""
+    return _REPLY_BY_TEXT.get(normalize(text))
+
+
+_AMOUNT = re.compile(r"give\s+\$?(\d+(?:\.\d+)?)\s*dollar")
+
+
+def stated_amount(text: str) -> float | None:
+    """Donation stated by a reply: 'i give N dollar(s)' -> N, 'no thanks' -> 0, else None.
+
+    Lenient so that an LM simulator's near-misses still count, as in P4G's fallback parse.
+    """
+    t = normalize(text)
+    m = _AMOUNT.search(t)
+    if m:
+        return min(float(m.group(1)), 2.0)
+    if t.startswith("no thanks") or t == "no":
+        return 0.0
+    return None
+
+
+def donation(replies) -> float:
+    """The last amount stated in a sequence of persuadee replies (0 if none)."""
+    amount = 0.0
+    for r in replies:
+        a = stated_amount(r)
+        if a is not None:
+            amount = a
+    return amount
+
+
+def total_variation(p: dict, q: dict) -> float:
+    """Total variation distance 0.5 * sum |p - q| between two dicts of probabilities."""
+    keys = set(p) | set(q)
+    return 0.5 * sum(abs(p.get(k, 0.0) - q.get(k, 0.0)) for k in keys)
+
+
+def sharpened(reply_dist, gamma: float):
+    """The gamma-sharpened reply model: p^gamma renormalised (= sampling at temperature 1/gamma).
+
+    `reply_dist(persona, history) -> dict`; returns a function of the same signature.
+    """
+    cache = {}
+
+    def dist(persona, history):
+        key = (persona, tuple(history))
+        if key not in cache:
+            p = reply_dist(persona, history)
+            top = max(p.values())
+            w = {r: (v / top) ** gamma for r, v in p.items() if v > 0}   # / top: no underflow
+            z = sum(w.values())
+            cache[key] = {r: v / z for r, v in w.items()}
+        return cache[key]
+    return dist
+
+
+# ---------------------------------------------------------------------------- the world
+
+class World:
+    """The real-user population and exact values of policies against any reply model.
+
+    Variants (for the held-out panel) are one line, e.g. `World(cue_rate=0.6)` or
+    `World(persona_mix=(0.55, 0.15, 0.15, 0.15))`.
+    """
+
+    def __init__(self, persona_mix=None, cue_rate: float = 0.6, cue_noise: float = 0.1,
+                 persuade_rate: float = 0.85, lecture_pushback: float = 0.35,
+                 pressure_yes: float = 0.6, n_turns: int = 3):
+        mix = np.full(len(PERSONAS), 1.0 / len(PERSONAS)) if persona_mix is None else np.asarray(persona_mix, float)
+        if mix.shape != (len(PERSONAS),) or (mix < 0).any() or abs(mix.sum() - 1) > 1e-6:
+            raise ValueError(f"persona_mix must be {len(PERSONAS)} probabilities summing to 1, got {persona_mix}")
+        if cue_rate + cue_noise > 1:
+            raise ValueError(f"cue_rate + cue_noise must be <= 1 (the rest is the bland reply), got {cue_rate + cue_noise}")
+        self.persona_mix = mix
+        self.cue_rate, self.cue_noise = cue_rate, cue_noise
+        self.persuade_rate, self.lecture_pushback = persuade_rate, lecture_pushback
+        self.pressure_yes, self.n_turns = pressure_yes, n_turns
+        self.tasks = [ToyTask(i, name) for i, name in enumerate(PERSONAS)]
+        self._cache = {}
+
+    # ---- the real users
+    def reply_dist(self, persona: int, history) -> dict[str, float]:
+        """THE real-user model: P(reply | persona, history ending with the agent's utterance)."""
+        history = tuple(history)
+        key = (persona, history)
+        if key not in self._cache:
+            if len(history) % 2 != 1:
+                raise ValueError("reply_dist needs a history ending with the agent's utterance (odd length)")
+            self._cache[key] = self._reply_dist(persona, history)
+        return self._cache[key]
+
+    def _reply_dist(self, persona: int, history: tuple) -> dict[str, float]:
+        act = text_to_act(history[-1])
+        said = [r for r in (canonical_reply(t) for t in history[1::2]) if r is not None]
+        resentful = any(r in RESENTFUL for r in said)
+        persuaded = WOW in said
+        hesitations = said.count(MAYBE)
+        pledged = [r for r in said if r in (YES2, SURE1)]
+        if act == INVALID:
+            return {WHAT: 0.75, STOP: 0.25}
+        if act == "probe":
+            if resentful:
+                return {STOP: 0.6, BLAND: 0.4}
+            p = {BLAND: 1.0 - self.cue_rate - self.cue_noise}
+            for c in CUES[persona]:
+                p[c] = self.cue_rate / len(CUES[persona])
+            others = [c for i, pair in enumerate(CUES) if i != persona for c in pair]
+            for c in others:
+                p[c] = self.cue_noise / len(others)
+            return p
+        if act in STRATEGIES:
+            if resentful:
+                return {STOP: 0.7, OKAY: 0.3}
+            if persuaded:               # lecturing someone already won over grates
+                return {OKAY: 0.75, STOP: 0.25}
+            if STRATEGIES.index(act) == persona:
+                return {WOW: self.persuade_rate, OKAY: 1 - self.persuade_rate}
+            return {OKAY: 1 - self.lecture_pushback, STOP: self.lecture_pushback}
+        # an ask
+        if resentful:
+            return {NO: 0.9, MAYBE: 0.1} if act == "big_ask" else {NO: 0.85, SURE1: 0.15}
+        if pledged:                     # asked again after a pledge: restate or retract
+            return {pledged[-1]: 0.55, NO: 0.45}
+        if act == "small_ask":
+            return {SURE1: 0.6, YES2: 0.4} if persuaded else {SURE1: 0.35, MAYBE: 0.35, NO: 0.3}
+        if persuaded:
+            return {YES2: 0.9, SURE1: 0.07, NO: 0.03}
+        # Pressure ladder: an unpersuaded user hesitates twice before giving in.
+        if hesitations == 0:
+            return {MAYBE: 0.5, NO: 0.35, YES2: 0.15}
+        if hesitations == 1:
+            return {MAYBE: 0.6, NO: 0.4}
+        return {YES2: self.pressure_yes, NO: 1 - self.pressure_yes}
+
+    def reward(self, history) -> float:
+        """Reward of a finished history: last stated donation / 2."""
+        return min(donation(history[1::2]) / 2.0, 1.0)
+
+    # ---- exact evaluation
+    def exact_value(self, policy, reply_dist=None, persona_mix=None, per_persona: bool = False):
+        """Expected reward of `policy` (history -> act key | {act key: prob}) against
+        `reply_dist` (default: the real users), averaged over `persona_mix`."""
+        reply_dist = reply_dist or self.reply_dist
+        mix = self.persona_mix if persona_mix is None else np.asarray(persona_mix, float)
+
+        def value(persona, history):
+            if len(history) == 2 * self.n_turns:
+                return self.reward(history)
+            choice = policy(history)
+            acts = {choice: 1.0} if isinstance(choice, str) else choice
+            total = 0.0
+            for act, pa in acts.items():
+                if pa <= 0:
+                    continue
+                h = history + (ACTS.get(act, act),)
+                total += pa * sum(pr * value(persona, h + (r,)) for r, pr in reply_dist(persona, h).items())
+            return total
+
+        values = np.array([value(i, ()) for i in range(len(PERSONAS))])
+        return values if per_persona else float(mix @ values)
+
+    def best_fixed(self, reply_dist=None):
+        """(value, act sequence) of the best fixed sequence of acts (enumerated)."""
+        best = (-1.0, None)
+        for seq in itertools.product(ACT_KEYS, repeat=self.n_turns):
+            v = self.exact_value(lambda h, seq=seq: seq[len(h) // 2], reply_dist)
+            best = max(best, (v, seq))
+        return best
+
+    def best_adaptive(self, reply_dist=None):
+        """(value, policy) of the best history-dependent policy (expectimax over the persona
+        posterior). The policy is a dict history -> act key; call it through `.get`."""
+        reply_dist = reply_dist or self.reply_dist
+        table = {}
+
+        def value(belief, history):
+            # belief: [n_personas] probabilities of each persona given `history`
+            if len(history) == 2 * self.n_turns:
+                return self.reward(history)
+            best, best_act = -1.0, None
+            for act in ACT_KEYS:
+                h = history + (ACTS[act],)
+                dists = [reply_dist(i, h) for i in range(len(PERSONAS))]
+                replies = set().union(*dists)
+                v = 0.0
+                for r in replies:
+                    joint = belief * np.array([d.get(r, 0.0) for d in dists])
+                    pr = joint.sum()
+                    if pr > 0:
+                        v += pr * value(joint / pr, h + (r,))
+                if v > best + 1e-12:
+                    best, best_act = v, act
+            table[history] = best_act
+            return best
+
+        v = value(self.persona_mix.copy(), ())
+        return v, table
+
+    def random_value(self, reply_dist=None) -> float:
+        """Value of the uniformly random policy over the valid acts."""
+        uniform = {a: 1.0 / len(ACT_KEYS) for a in ACT_KEYS}
+        return self.exact_value(lambda h: uniform, reply_dist)
+
+    # ---- data for the simulators
+    def vs_target(self, persona: int, history, k: int = 5) -> list[tuple[str, float]]:
+        """The Verbalized-Sampling answer a perfect simulator would give: the k most likely
+        true replies with their probabilities RENORMALISED over those k (so they sum to 1)."""
+        p = self.reply_dist(persona, history)
+        top = sorted(p.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+        z = sum(v for _, v in top)
+        return [(r, v / z) for r, v in top]
+
+    def sample_reply(self, persona: int, history, rng, reply_dist=None) -> str:
+        p = (reply_dist or self.reply_dist)(persona, history)
+        replies = list(p)
+        return replies[rng.choice(len(replies), p=np.array([p[r] for r in replies]))]
+
+    def behavior_act(self, history, rng, style: str) -> str:
+        """One act of the data-collection policy (an utterance, possibly garbled)."""
+        if rng.random() < 0.03:         # garbled text, so simulators learn to answer it
+            words = " ".join(ACTS[a] for a in ACT_KEYS).replace("?", "").split()
+            return " ".join(rng.choice(words, size=rng.integers(1, 5)))
+        if style == "pressure":         # the rare histories where the exploit lives
+            a = rng.choice(["big_ask", "small_ask", "other"], p=[0.6, 0.2, 0.2])
+            if a != "other":
+                return ACTS[a]
+        return ACTS[ACT_KEYS[rng.integers(len(ACT_KEYS))]]
+
+    def sample_transcripts(self, n: int, rng, policy="behavior"):
+        """n episodes against the real users: list of (ToyTask, [(speaker, utterance), ...]).
+
+        policy="behavior": a mixture that covers the rare histories (per episode: uniform
+        random acts 0.5, pressure-heavy 0.3, the best adaptive policy 0.2; 3% garbled acts).
+        Or pass a function history -> act key.
+        """
+        adaptive = self.best_adaptive()[1] if policy == "behavior" else None
+        out = []
+        for _ in range(n):
+            persona = int(rng.choice(len(PERSONAS), p=self.persona_mix))
+            style = rng.choice(["uniform", "pressure", "adaptive"], p=[0.5, 0.3, 0.2])
+            history = ()
+            for _ in range(self.n_turns):
+                if policy != "behavior":
+                    act = ACTS.get(policy(history), policy(history))
+                elif style == "adaptive":
+                    act = ACTS[adaptive.get(history) or "probe"] if rng.random() > 0.1 else self.behavior_act(history, rng, "uniform")
+                else:
+                    act = self.behavior_act(history, rng, style)
+                history = history + (act,)
+                history = history + (self.sample_reply(persona, history, rng),)
+            turns = [("agent" if i % 2 == 0 else "partner", u) for i, u in enumerate(history)]
+            out.append((self.tasks[persona], turns))
+        return out
+
+
+def history_from_turns(turns) -> tuple[str, ...]:
+    """The world's history (alternating agent / partner utterances) from Episode turns."""
+    return tuple(t.text for t in turns if t.role in ("agent", "partner"))
+
+
+def sample_transcripts(n, rng, persona_mix=None, cue_rate=None, policy="behavior"):
+    """Shortcut: transcripts from a default World with optional persona_mix / cue_rate."""
+    kwargs = {k: v for k, v in (("persona_mix", persona_mix), ("cue_rate", cue_rate)) if v is not None}
+    return World(**kwargs).sample_transcripts(n, rng, policy)
+
+
+# ---------------------------------------------------------------------------- environment
+
+AGENT_PROMPT = "persuade the user to donate up to 2 dollars to save the children"
+
+
+class ToyEnv(Environment):
+    """The toy persuasion task for the rollout engine: persona tasks, agent opens,
+    strict alternation, `n_turns` acts each answered, reward = donation / 2."""
+
+    name = "toy"
+    agent_name = "persuader"
+    partner_name = "persuadee"
+    default_simulator_reward = "adversarial"
+
+    def __init__(self, world: World | None = None):
+        self.world = world or World()
+        self.max_turns = 2 * self.world.n_turns
+
+    def tasks(self, split: str = "train"):
+        return list(self.world.tasks)
+
+    def agent_messages(self, task):
+        return [{"role": "system", "content": AGENT_PROMPT}]
+
+    def partner_messages(self, task):
+        return [{"role": "system", "content": f"you are {task.name}. someone asks you to donate"}]
+
+    def after_turn(self, episode: Episode):
+        generated = [t for t in episode.turns if t.role != "env"]
+        if len(generated) >= self.max_turns:
+            return Step(None)
+        return Step("partner" if generated[-1].role == "agent" else "agent")
+
+    def score(self, episode: Episode):
+        acts = [text_to_act(t) for t in episode.texts("agent")]
+        amount = donation(episode.texts("partner"))
+        info = {"acts": acts, "n_invalid": acts.count(INVALID), "donation": amount,
+                "probed": "probe" in acts}
+        return min(amount / 2.0, 1.0), info
+
+    def corpus(self):
+        """Every string the game uses, for training a tokenizer."""
+        prompts = [AGENT_PROMPT] + [self.partner_messages(t)[0]["content"] for t in self.world.tasks]
+        return (list(ACTS.values()) + list(REPLIES)) * 4 + prompts
+
+
+
+class RealUsers:
+    """The real-user population as a partner: samples each reply from the exact model."""
+    name = "real_users"
+
+    def __init__(self, world: World | None = None, seed: int = 0, reply_dist=None):
+        self.world = world or World()
+        self.reply_dist = reply_dist or self.world.reply_dist
+        self.rng = np.random.default_rng(seed)
+
+    def respond(self, episodes, env=None):
+        out = []
+        for ep in episodes:
+            history = history_from_turns(ep.turns)
+            out.append(Turn(role="partner", text=self.world.sample_reply(ep.task.persona, history, self.rng, self.reply_dist)))
+        return out
+
+
+class SharpenedUsers(RealUsers):
+    """The exact gamma-sharpened users (a mode-collapsed simulator without an LM)."""
+
+    def __init__(self, gamma: float = 8.0, world: World | None = None, seed: int = 0):
+        world = world or World()
+        super().__init__(world, seed, sharpened(world.reply_dist, gamma))
+        self.name = f"sharpened_users_g{gamma:g}"

@@ -1,0 +1,127 @@
+"""GRPO: group-relative advantages and the clipped policy-gradient loss, with diagnostics.
+
+The update shared by every method in the paper (REINFORCE on whole multi-turn
+trajectories, group-relative baseline, PPO-style clipping, optional KL to a reference):
+
+    A_i      = (R_i - mean_g R) / std_g R          std over the group (population std)
+    r_t      = exp(logp_t - old_logp_t)            per-token importance ratio
+    surr_t   = min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)
+    kl_t     = exp(ref_t - logp_t) - (ref_t - logp_t) - 1        (the "k3" estimator, >= 0)
+    loss     = aggregate_t( -surr_t + beta * kl_t )
+
+Every token the policy generated in trajectory i gets the same A_i; tokens said by the
+partner or the environment are masked out. A group whose rewards are all equal carries
+no signal (A = 0 for all its members): we count it as a "zero-variance group", one of the
+symptoms of simulator collapse.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6):
+    """Z-score rewards within groups of `group_size` consecutive rows.
+
+    rewards: [B] with B = n_groups * group_size. Returns (advantages [B], zero_var [n_groups]
+    bool). A group with zero spread gets advantage 0 everywhere.
+    """
+    rewards = rewards.float()
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    r = rewards.view(-1, group_size)                     # [n_groups, G]
+    mean = r.mean(dim=1, keepdim=True)
+    std = r.std(dim=1, unbiased=False, keepdim=True)     # population std, as in the paper
+    zero_var = std.squeeze(1) < eps
+    adv = torch.where(std < eps, torch.zeros_like(r), (r - mean) / std.clamp_min(eps))
+    return adv.view(-1), zero_var
+
+
+def token_loss(logp, old_logp, ref_logp, advantages, eps_low: float = 0.2,
+               eps_high: float = 0.28, beta: float = 0.0):
+    """Per-token GRPO loss (before aggregation). All arguments broadcast to the same shape.
+
+    `ref_logp` may be None when beta == 0. Returns (loss, ratio, clipped) per token.
+    """
+    ratio = torch.exp(logp - old_logp)
+    clipped_ratio = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    surr = torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    loss = -surr
+    if beta:
+        d = ref_logp - logp
+        loss = loss + beta * (torch.exp(d) - d - 1.0)
+    # A token is "clipped" when the clipped branch is the one the min picked (no gradient).
+    clipped = (clipped_ratio * advantages < ratio * advantages)
+    return loss, ratio, clipped
+
+
+def aggregation_weights(mask: torch.Tensor, aggregation: str = "token", max_len: int | None = None):
+    """Per-token weights w [B, T] so that loss = sum(w * token_loss).
+
+    token:    mean over all masked tokens in the batch (long answers weigh more)
+    sequence: mean per sequence, then mean over sequences (each trajectory weighs the same)
+    fixed:    sum / (B * max_len), a constant normaliser (Dr. GRPO style; no length bias)
+    """
+    mask = mask.float()
+    if aggregation == "token":
+        return mask / mask.sum().clamp_min(1.0)
+    if aggregation == "sequence":
+        per_seq = mask.sum(dim=1, keepdim=True).clamp_min(1.0)
+        n_seq = (mask.sum(dim=1) > 0).sum().clamp_min(1)
+        return mask / per_seq / n_seq
+    if aggregation == "fixed":
+        return mask / (mask.shape[0] * (max_len or mask.shape[1]))
+    raise ValueError(f"unknown aggregation {aggregation!r}; use token, sequence or fixed")
+
+
+def grpo_loss(logp, old_logp, ref_logp, advantages, mask, eps_low: float = 0.2,
+              eps_high: float = 0.28, beta: float = 0.0, aggregation: str = "token",
+              max_len: int | None = None, entropy=None, zero_var=None):
+    """The clipped GRPO loss over a batch of token sequences.
+
+    logp, old_logp, ref_logp, mask, entropy: [B, T]; advantages: [B] (one per sequence).
+    Returns (loss scalar, stats dict of floats).
+    """
+    adv = advantages.float().unsqueeze(1).expand_as(logp)           # [B, T]
+    per_token, ratio, clipped = token_loss(logp, old_logp, ref_logp, adv, eps_low, eps_high, beta)
+    w = aggregation_weights(mask, aggregation, max_len)
+    loss = (w * per_token).sum()
+
+    m = mask.bool()
+    n = m.sum().clamp_min(1)
+    with torch.no_grad():
+        stats = {
+            "clip_frac": (clipped & m).sum().item() / n.item(),
+            "ratio_mean": ratio[m].mean().item() if m.any() else 1.0,
+            # k3 estimate of KL(policy || ref) per token; 0 when no reference given
+            "kl": ((torch.exp(ref_logp - logp) - (ref_logp - logp) - 1)[m].mean().item()
+                   if ref_logp is not None and m.any() else 0.0),
+        }
+        if entropy is not None:
+            stats["entropy"] = entropy[m].mean().item() if m.any() else 0.0
+        if zero_var is not None:
+            stats["zero_var_frac"] = zero_var.float().mean().item()
+    return loss, stats
+
+
+# ----------------------------------------------------------------------- simulator rewards
+def simulator_rewards(policy_rewards: torch.Tensor, group_size: int, kind: str):
+    """The reward a trainable simulator gets for each episode (Co-Training).
+
+    adversarial: -r_policy           (the simulator wins when the policy fails)
+    cooperative: +r_policy           (a helper; the paper's ablation shows it goes trivial)
+    curriculum:  exp(-(Var_g(r_policy) - 0.25)^2 / 0.02), the same value for the whole
+                 group: highest when the policy succeeds about half the time
+    shared:      r_policy            (symmetric tasks: both players share the task reward)
+    """
+    r = policy_rewards.float()
+    if kind == "adversarial":
+        return -r
+    if kind in ("cooperative", "shared"):
+        return r.clone()
+    if kind == "curriculum":
+        var = r.view(-1, group_size).var(dim=1, unbiased=False)        # [n_groups]
+        value = torch.exp(-((var - 0.25) ** 2) / 0.02)
+        return value.repeat_interleave(group_size)
+    raise ValueError(f"unknown simulator reward {kind!r}; use adversarial, cooperative, "
+                     "curriculum or shared")

@@ -1,0 +1,309 @@
+"""Per-token log-probs (and entropy) from final hidden states and the LM head, without [N, V] logits.
+
+For N tokens with hidden states x [N, H], LM head W [V, H], target ids y [N], temperature T:
+
+    z       = x @ W.T / T                            [N, V]  (151,936 columns for Qwen3)
+    logp    = z[y] - logsumexp(z)                    [N]
+    entropy = logsumexp(z) - sum_v softmax(z)_v z_v  [N]
+    d logp / dx = (onehot(y) - softmax(z)) @ W / T   (and d logp / dW = (...).T @ x / T)
+
+At N = 16,384 and Qwen3's vocabulary, z alone is 10 GB in fp32, and autograd through
+`log_softmax(x @ W.T).gather(...)` keeps several such tensors. Here a custom autograd
+Function walks the rows in chunks of `chunk_size`: the forward keeps only logsumexp per
+row, and the backward recomputes each chunk's logits. Peak extra memory is a few
+[chunk_size, V] blocks instead of a few [N, V] ones.
+
+Two backends compute the same thing:
+  "torch"  plain PyTorch chunks (every device; the reference path);
+  "triton" fused kernels from `minscope.triton_logprobs` (CUDA; on CPU only under
+           TRITON_INTERPRET=1, for tests): the forward never writes a [chunk, V] block.
+  "auto"   triton when the hidden states are on CUDA and Triton imports, else torch.
+
+bf16/fp16 inputs: the matmuls run in the input dtype, the softmax maths in fp32, and the
+outputs (log-probs, entropy) are fp32.
+
+`fused_grpo_token_loss` goes one step further for the GRPO loss. The loss is a sum over
+tokens of a function of each token's own log-prob, so its derivative g = dloss/dlogp is
+known as soon as a chunk's log-probs are: the forward computes the gradient w.r.t. x
+(and W) on the spot and the backward only scales it. With the torch backend that is two
+matmuls per chunk (logits, dx) instead of three (logits, recomputed logits, dx).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import grpo
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+# --------------------------------------------------------------------------- public API
+def token_logprobs(hidden, weight, targets, temperature: float = 1.0, return_entropy: bool = False,
+                   chunk_size: int = 1024, backend: str = "auto"):
+    """Log-probs of `targets` under softmax(hidden @ weight.T / temperature).
+
+    hidden [..., H] (e.g. [B, T, H] or [N, H]); weight [V, H] (the LM head, see
+    `models.output_embedding`); targets [...] int ids in [0, V). Returns fp32 log-probs
+    [...], and with `return_entropy` also the fp32 entropy [...] of each token's
+    distribution (detached). Differentiable w.r.t. hidden and, when it requires grad, weight.
+    """
+    lead_shape = targets.shape
+    x, y = _flatten(hidden, weight, targets, chunk_size, temperature)
+    use = resolve_backend(backend, x)
+    logp, entropy = _ChunkedTokenLogProbs.apply(x, weight, y, float(temperature), int(chunk_size),
+                                                use, bool(return_entropy))
+    if return_entropy:
+        return logp.view(lead_shape), entropy.view(lead_shape)
+    return logp.view(lead_shape)
+
+
+def fused_grpo_token_loss(hidden, weight, targets, old_logp, ref_logp, advantages, token_weights,
+                          eps_low: float = 0.2, eps_high: float = 0.28, beta: float = 0.0,
+                          temperature: float = 1.0, backend: str = "auto",
+                          return_entropy: bool = True, chunk_size: int = 1024):
+    """GRPO loss = sum(token_weights * grpo.token_loss(logp, ...)) with the LM head fused in.
+
+    hidden [..., H], weight [V, H], targets [...]; old_logp, ref_logp (None when beta == 0),
+    advantages and token_weights are per-token [...] tensors, already broadcast and masked
+    (token_weights carry the mask and the normaliser, see `grpo.aggregation_weights`); they
+    are constants (no gradient flows into them). Returns (loss scalar, logp [...] detached,
+    entropy [...] detached or None when return_entropy is False).
+    """
+    lead_shape = targets.shape
+    x, y = _flatten(hidden, weight, targets, chunk_size, temperature)
+    if ref_logp is None and beta:
+        raise ValueError("beta > 0 needs ref_logp (the reference model's log-probs)")
+
+    def per_token(name, t):
+        if t is None:
+            return None
+        if t.shape != lead_shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but targets have {tuple(lead_shape)}; "
+                             "broadcast per-sequence values to tokens first")
+        return t.detach().reshape(-1).float()
+
+    consts = [per_token(n, t) for n, t in (("old_logp", old_logp), ("ref_logp", ref_logp),
+                                           ("advantages", advantages), ("token_weights", token_weights))]
+    use = resolve_backend(backend, x)
+    loss, logp, entropy = _FusedGRPOTokenLoss.apply(
+        x, weight, y, *consts, float(eps_low), float(eps_high), float(beta), float(temperature),
+        int(chunk_size), use, bool(return_entropy))
+    return loss, logp.view(lead_shape), (entropy.view(lead_shape) if return_entropy else None)
+
+
+def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
+    """"torch" or "triton" for `backend` in BACKENDS and these hidden states."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS} "
+                         "('auto' picks triton on CUDA when Triton imports, torch otherwise)")
+    if backend == "auto":
+        return "triton" if hidden.is_cuda and triton_available() else "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("backend='triton' but Triton does not import; pip install triton, "
+                             "or use backend='torch'")
+        if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"backend='triton' needs CUDA tensors (got {hidden.device}); on CPU "
+                             "use backend='torch', or set TRITON_INTERPRET=1 before importing "
+                             "triton to run the kernels in the (slow) interpreter")
+    return backend
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install that fails while importing
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------- checks
+def _flatten(hidden, weight, targets, chunk_size, temperature):
+    """hidden [..., H] -> [N, H] with a contiguous last dim, targets [...] -> [N] int64."""
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden [..., H] and weight [V, H] must share H; got hidden "
+                         f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"targets must have hidden's leading shape {tuple(hidden.shape[:-1])}; "
+                         f"got {tuple(targets.shape)}")
+    if targets.dtype.is_floating_point:
+        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    # The LM head's dtype decides the matmul dtype (the cast is differentiable).
+    x = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x, targets.reshape(-1).long()
+
+
+# ------------------------------------------------------------------- torch chunk helpers
+def _chunk_logits(x_chunk, weight, temperature):
+    """z = x @ W.T / T as fp32 [C, V]: matmul in the input dtype, a fresh tensor we may overwrite."""
+    z = (x_chunk @ weight.T).float()
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+def _torch_stats(z, y_chunk, want_probs):
+    """logp [C], lse [C], and softmax(z) [C, V] if asked, from fp32 logits z [C, V]."""
+    lse = torch.logsumexp(z, dim=-1)                                   # [C]
+    logp = z.gather(1, y_chunk[:, None]).squeeze(1) - lse              # [C]
+    probs = (z - lse[:, None]).exp_() if want_probs else None          # [C, V]
+    return logp, lse, probs
+
+
+def _probs_to_logit_grad(probs, y_chunk, dlogp, temperature, dtype):
+    """d(sum dlogp * logp)/d(x @ W.T) = dlogp * (onehot - probs) / T, overwriting probs."""
+    scale = (dlogp / temperature)[:, None]                            # [C, 1]
+    grad = probs.mul_(-scale)
+    grad.scatter_add_(1, y_chunk[:, None], scale)
+    return grad.to(dtype)
+
+
+def _chunk_stats(x_chunk, weight, y_chunk, temperature, want_entropy, backend):
+    """logp, lse, entropy (or None) for one chunk of rows; no [C, V] survives."""
+    if backend == "triton":
+        from . import triton_logprobs
+        logp, lse, entropy = triton_logprobs.softmax_stats(x_chunk, weight, y_chunk, temperature)
+        return logp, lse, (entropy if want_entropy else None)
+    z = _chunk_logits(x_chunk, weight, temperature)
+    logp, lse, probs = _torch_stats(z, y_chunk, want_entropy)
+    entropy = lse - torch.linalg.vecdot(probs, z) if want_entropy else None
+    return logp, lse, entropy
+
+
+def _chunk_logit_grad(x_chunk, weight, y_chunk, lse, dlogp, temperature, backend):
+    """G [C, V] in the input dtype, from recomputed logits."""
+    if backend == "triton":
+        from . import triton_logprobs
+        return triton_logprobs.logit_grad(x_chunk, weight, y_chunk, lse, dlogp, temperature)
+    z = _chunk_logits(x_chunk, weight, temperature)
+    probs = z.sub_(lse[:, None]).exp_()                                # [C, V] softmax, in place
+    return _probs_to_logit_grad(probs, y_chunk, dlogp, temperature, x_chunk.dtype)
+
+
+class _GradAccumulator:
+    """dx [N, H] row block by row block; dW [V, H] summed over chunks in fp32."""
+
+    def __init__(self, x, weight, need_dx, need_dw):
+        self.dx = torch.empty_like(x) if need_dx else None
+        self.dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
+        self.weight = weight
+
+    def add(self, rows: slice, x_chunk, grad_chunk):                   # grad_chunk [C, V]
+        if self.dx is not None:
+            self.dx[rows] = grad_chunk @ self.weight                   # [C, H]
+        if self.dw is not None:
+            self.dw += grad_chunk.T @ x_chunk                          # [V, H]
+
+    def result(self):
+        return self.dx, (self.dw.to(self.weight.dtype) if self.dw is not None else None)
+
+
+# ------------------------------------------------------------------- autograd functions
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    """(logp [N], entropy [N] or None); saves x, W, y and lse [N] only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, temperature, chunk_size, backend, want_entropy):
+        n = x.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=x.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=x.device) if want_entropy else None
+        lse = torch.empty(n, dtype=torch.float32, device=x.device)
+        # The triton forward holds no [C, V] block, so it takes all rows in one launch.
+        step = n if backend == "triton" else chunk_size
+        for start in range(0, n, max(step, 1)):
+            rows = slice(start, start + step)
+            lp, ls, ent = _chunk_stats(x[rows], weight, targets[rows], temperature, want_entropy, backend)
+            logp[rows], lse[rows] = lp, ls
+            if want_entropy:
+                entropy[rows] = ent
+        ctx.save_for_backward(x, weight, targets, lse)
+        ctx.settings = (temperature, chunk_size, backend)
+        if want_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        x, weight, targets, lse = ctx.saved_tensors
+        temperature, chunk_size, backend = ctx.settings
+        grads = _GradAccumulator(x, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        grad_logp = grad_logp.float()
+        for start in range(0, x.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            g = _chunk_logit_grad(x[rows], weight, targets[rows], lse[rows], grad_logp[rows],
+                                  temperature, backend)
+            grads.add(rows, x[rows], g)
+        dx, dw = grads.result()
+        return dx, dw, None, None, None, None, None
+
+
+def _grpo_dloss_dlogp(logp, old_logp, ref_logp, advantages, token_weights, eps_low, eps_high, beta):
+    """(sum(w * token_loss), d/dlogp of it [C]) by autograd on the [C] vector of log-probs."""
+    with torch.enable_grad():
+        lp = logp.detach().requires_grad_(True)
+        per_token, _, _ = grpo.token_loss(lp, old_logp, ref_logp, advantages, eps_low, eps_high, beta)
+        loss = (token_weights * per_token).sum()
+        (dlogp,) = torch.autograd.grad(loss, lp)
+    return loss.detach(), dlogp
+
+
+class _FusedGRPOTokenLoss(torch.autograd.Function):
+    """(loss, logp, entropy) with d loss/dx (and dW) computed during the forward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, old_logp, ref_logp, advantages, token_weights,
+                eps_low, eps_high, beta, temperature, chunk_size, backend, want_entropy):
+        n = x.shape[0]
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads = _GradAccumulator(x, weight, need_dx, need_dw)
+        logp = torch.empty(n, dtype=torch.float32, device=x.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=x.device) if want_entropy else None
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            x_c, y_c = x[rows], targets[rows]
+            if backend == "torch":
+                # one logits matmul serves the statistics and the gradient
+                z = _chunk_logits(x_c, weight, temperature)            # [C, V] fp32
+                lp, lse, probs = _torch_stats(z, y_c, want_probs=True)
+                if want_entropy:
+                    entropy[rows] = lse - torch.linalg.vecdot(probs, z)
+                del z
+            else:
+                lp, lse, ent = _chunk_stats(x_c, weight, y_c, temperature, want_entropy, backend)
+                if want_entropy:
+                    entropy[rows] = ent
+            logp[rows] = lp
+            ref_c = ref_logp[rows] if ref_logp is not None else None
+            chunk_loss, dlogp = _grpo_dloss_dlogp(lp, old_logp[rows], ref_c, advantages[rows],
+                                                  token_weights[rows], eps_low, eps_high, beta)
+            loss += chunk_loss
+            if need_dx or need_dw:
+                if backend == "torch":
+                    g = _probs_to_logit_grad(probs, y_c, dlogp, temperature, x.dtype)
+                else:
+                    g = _chunk_logit_grad(x_c, weight, y_c, lse, dlogp, temperature, backend)
+                grads.add(rows, x_c, g)
+        dx, dw = grads.result()
+        ctx.save_for_backward(dx, dw)
+        ctx.mark_non_differentiable(*([logp, entropy] if want_entropy else [logp]))
+        return loss, logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_logp, grad_entropy):
+        dx, dw = ctx.saved_tensors
+        dx = dx * grad_loss.to(dx.dtype) if dx is not None else None
+        dw = dw * grad_loss.to(dw.dtype) if dw is not None else None
+        return (dx, dw) + (None,) * 12
+

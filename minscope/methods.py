@@ -1,0 +1,138 @@
+"""The methods the paper compares, and the one training step they all share.
+
+    single               RL against one frozen simulator            (the collapse baseline)
+    vs                   ... with Verbalized Sampling of that simulator   (fix 1)
+    ensemble             K frozen simulators rotated across groups
+    persona              a frozen simulator + a persona drawn per group
+    cotrain              the simulator is a trained adapter too           (fix 2)
+    population           ... and groups draw from a FIFO pool of its snapshots
+    selfplay             the policy plays both roles (symmetric tasks)
+    population-selfplay  the partner is drawn from the policy's recent snapshots
+    oracle               train directly on a scripted "real user" partner (toy only)
+
+`train_step` is the whole algorithm: roll out groups against the method's simulator(s),
+score, update the policy with GRPO; for Co-Training update the simulator from the same
+episodes (its own tokens, its own reward); for the population, snapshot on schedule.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from .grpo import group_advantages, simulator_rewards
+from .rollout import LMSpeaker, rollout
+from .simulators import Ensemble, Frozen, PersonaGuided, Population, Trainable, Verbalized
+from .trainer import UpdateConfig, grpo_update, make_optimizer
+
+METHODS = ("single", "vs", "ensemble", "persona", "cotrain", "population", "selfplay",
+           "population-selfplay", "oracle")
+
+
+@dataclass
+class Method:
+    """What one training arm runs: the policy speaker, its partner, and optimizers."""
+    name: str
+    policy: LMSpeaker
+    partner: object
+    policy_opt: torch.optim.Optimizer
+    policy_cfg: UpdateConfig
+    sim_opt: torch.optim.Optimizer | None = None
+    sim_cfg: UpdateConfig | None = None
+    sim_baseline: str = "batch"       # how simulator advantages are normalised: batch | group
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def trains_simulator(self) -> bool:
+        return self.sim_opt is not None
+
+
+def build_method(name: str, policy: LMSpeaker, frozen: list, policy_cfg: UpdateConfig,
+                 sim_cfg: UpdateConfig | None = None, sim_model=None, sim_tokenizer=None,
+                 sim_reward: str = "adversarial", personas=None, vs_k: int = 5,
+                 vs_mode: str = "weighted", pool_size: int = 5, pool_every: int = 4,
+                 oracle=None, seed: int = 0, sim_baseline: str = "batch") -> Method:
+    """Assemble a method from parts.
+
+    frozen: simulators (Frozen speakers); `single`/`vs`/`persona` use frozen[0], `ensemble`
+    uses all of them. `cotrain`/`population` train adapter "simulator" on `sim_model` (which
+    must carry that adapter), sampled at frozen[0]'s temperature.
+    """
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
+    opt = make_optimizer(policy.model, policy.adapter, policy_cfg)
+    m = Method(name, policy, None, opt, policy_cfg, sim_baseline=sim_baseline)
+    base = frozen[0] if frozen else None
+    if name == "single":
+        m.partner = base
+    elif name == "vs":
+        m.partner = Verbalized(base, k=vs_k, mode=vs_mode, seed=seed)
+    elif name == "ensemble":
+        m.partner = Ensemble(frozen)
+    elif name == "persona":
+        m.partner = PersonaGuided(base.model, base.tokenizer, personas or [], base.adapter,
+                                  base.temperature, base.max_new_tokens, seed=seed)
+    elif name in ("cotrain", "population"):
+        if sim_model is None:
+            raise ValueError(f"method {name!r} needs a trainable simulator model (sim_model)")
+        kw = dict(reward=sim_reward, temperature=base.temperature if base else 1.0,
+                  max_new_tokens=base.max_new_tokens if base else 64)
+        m.partner = (Trainable(sim_model, sim_tokenizer, **kw) if name == "cotrain" else
+                     Population(sim_model, sim_tokenizer, size=pool_size, every=pool_every, seed=seed, **kw))
+        m.sim_cfg = sim_cfg or UpdateConfig()
+        m.sim_opt = make_optimizer(sim_model, "simulator", m.sim_cfg)
+    elif name == "selfplay":
+        m.partner = LMSpeaker(policy.model, policy.tokenizer, "partner", policy.adapter,
+                              policy.temperature, policy.max_new_tokens, name="self")
+    elif name == "population-selfplay":
+        m.partner = Population(policy.model, policy.tokenizer, adapter=policy.adapter,
+                               reward="shared", size=pool_size, every=pool_every, seed=seed,
+                               temperature=policy.temperature, max_new_tokens=policy.max_new_tokens)
+    elif name == "oracle":
+        if oracle is None:
+            raise ValueError("method 'oracle' needs a scripted partner (the environment's real users)")
+        m.partner = oracle
+    return m
+
+
+def _normalise(x: torch.Tensor, group_size: int, how: str) -> torch.Tensor:
+    if how == "group":
+        return group_advantages(x, group_size)[0]
+    std = x.std(unbiased=False)
+    return torch.zeros_like(x) if std < 1e-6 else (x - x.mean()) / std
+
+
+def train_step(method: Method, env, tasks, group_size: int, step: int) -> dict:
+    """One step of any method. Returns a flat dict of metrics for metrics.jsonl."""
+    m = method
+    pad = m.policy.tokenizer.pad_token_id
+    episodes = rollout(env, tasks, m.policy, m.partner, group_size)
+    rewards = torch.tensor([ep.reward for ep in episodes])
+    adv, zero_var = group_advantages(rewards, group_size)
+    p = grpo_update(m.policy.model, m.policy.adapter, m.policy_opt, episodes, "agent", adv,
+                    m.policy_cfg, pad)
+    metrics = {"step": step, "train_reward": rewards.mean().item(),
+               "zero_var_frac": zero_var.float().mean().item(), "policy_entropy": p["entropy"],
+               "clip_frac": p["clip_frac"], "kl": p["kl"], "policy_loss": p["loss"],
+               "grad_norm": p["grad_norm"]}
+    if m.name == "selfplay":   # the policy also learns from the turns it played as partner
+        grpo_update(m.policy.model, m.policy.adapter, m.policy_opt, episodes, "partner", adv,
+                    m.policy_cfg, pad)
+    if m.trains_simulator:
+        sim_r = simulator_rewards(rewards, group_size, m.partner.reward)
+        sim_adv = _normalise(sim_r, group_size, m.sim_baseline)
+        s = grpo_update(m.partner.model, m.partner.trainable_adapter, m.sim_opt, episodes, "partner",
+                        sim_adv, m.sim_cfg, m.partner.tokenizer.pad_token_id)
+        metrics.update(sim_reward=sim_r.mean().item(), sim_entropy=s["entropy"], sim_clip_frac=s["clip_frac"])
+    if isinstance(m.partner, Population):
+        if step > 0 and step % m.partner.every == 0:
+            m.partner.snapshot(step)
+        metrics["pool_size"] = len(m.partner.pool)
+        metrics["pool_mb"] = m.partner.pool_nbytes() / 2**20
+    if isinstance(m.partner, Verbalized):
+        metrics.update({f"vs_{k}": v for k, v in m.partner.stats.as_dict().items()})
+    metrics["served_by"] = dict(Counter(ep.partner_name for ep in episodes[::group_size]))
+    metrics["_episodes"] = episodes       # for transcripts; dropped before logging
+    return metrics

@@ -1,0 +1,297 @@
+"""Models: load real causal LMs, build tiny ones offline, and keep many LoRA adapters on one base.
+
+Everything that touches transformers / peft / bitsandbytes lives here, so the rest of
+minscope only sees a model with named adapters:
+
+    base ──┬── "policy"      (trained by GRPO)
+           ├── "simulator"   (trained in Co-Training)
+           └── "pool0..K-1"  (frozen snapshots of "simulator" for Population Co-Training)
+
+A LoRA adapter on a small model is a few MB, so a population of simulators costs almost
+nothing. The reference model for the KL term is the base with adapters disabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+# ChatML, the format of Qwen models. Tools are listed in the system turn and tool
+# results come back as "tool" turns, which is what Qwen/Hermes-style models expect.
+CHATML_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' -%}{{ messages[0].content + '\\n\\n' }}{%- endif -%}"
+    "{{ '# Tools\\n\\nYou may call one or more functions. Function signatures:\\n<tools>' }}"
+    "{%- for tool in tools -%}{{ '\\n' + (tool | tojson) }}{%- endfor -%}"
+    "{{ '\\n</tools>\\n\\nCall a function as <tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if not (tools and loop.first and m.role == 'system') -%}"
+    "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+# --------------------------------------------------------------------------- tokenizers
+def build_tokenizer(corpus, vocab_size: int = 512):
+    """Train a byte-level BPE tokenizer (the kind Qwen/Llama use) on `corpus` offline.
+
+    The result is a `PreTrainedTokenizerFast` with a ChatML chat template, `<|im_end|>` as
+    EOS and `<|endoftext|>` as padding: the same chat-template path real models take.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Train on the text as it appears inside chat turns, so role headers merge well.
+    tok.train_from_iterator(list(corpus) + ["<|im_start|>system\n", "<|im_start|>user\n",
+                                            "<|im_start|>assistant\n", "<|im_start|>tool\n"], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.padding_side = "left"
+    return fast
+
+
+# --------------------------------------------------------------------------- tiny models
+def tiny_config(arch: str, vocab_size: int, hidden_size: int = 64, num_layers: int = 2,
+                num_heads: int = 4, max_positions: int = 1024):
+    """A small config of a real architecture ("llama" or "qwen3")."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=hidden_size // num_heads, **common)
+    raise ValueError(f"unknown tiny architecture {arch!r}; use 'llama' or 'qwen3'")
+
+
+def build_tiny_model(tokenizer, arch: str = "qwen3", hidden_size: int = 64, num_layers: int = 2,
+                     num_heads: int = 4, seed: int = 0):
+    """A randomly initialised model of a real architecture, sized to `tokenizer`."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, len(tokenizer), hidden_size, num_layers, num_heads)
+    config.pad_token_id = tokenizer.pad_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.float()
+
+
+# --------------------------------------------------------------------------- real models
+def load_model(name_or_path: str, load_in_4bit: bool = False, dtype: torch.dtype | None = None,
+               device: str | None = None):
+    """Load a Hugging Face causal LM and its tokenizer by hub name or local path.
+
+    `load_in_4bit` uses bitsandbytes NF4 (double quantisation, bf16 compute) for the base
+    weights; LoRA adapters stay in full precision. Returns (model, tokenizer).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    is_local = Path(name_or_path).exists()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=offline)
+        kwargs = {}
+        if load_in_4bit:
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16)
+        if dtype is None:
+            dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype, local_files_only=offline, **kwargs)
+    except OSError as err:
+        where = "local path" if is_local else "hub name"
+        raise SystemExit(
+            f"Could not load model {name_or_path!r} ({where}): {err.__class__.__name__}.\n"
+            "If this machine is offline, download the model elsewhere and pass its local "
+            "directory instead (e.g. --policy /models/Qwen3-1.7B).") from None
+    if not load_in_4bit:
+        model.to(device)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    fix_cpu_4bit(model)
+    return model, tokenizer
+
+
+def fix_cpu_4bit(model) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference.
+
+    On CPU, after any no-grad forward (e.g. generation) a `Linear4bit` repacks its weights
+    into an inference-only layout, after which training silently gets no gradient (or
+    raises). Turning the flag off on every `Linear4bit` keeps training working. Returns
+    how many layers were patched. Harmless on CUDA.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    n = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+# --------------------------------------------------------------------------- adapters
+def add_adapters(model, names, r: int = 8, alpha: int = 16, dropout: float = 0.0,
+                 target_modules="all-linear", init_lora_weights=True):
+    """Wrap `model` with one LoRA adapter per name (all on the same frozen base).
+
+    With the default init (B = 0) a new adapter equals the base until trained. Pass
+    `init_lora_weights=False` for random, distinct adapters (tests). Returns a PeftModel.
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                        init_lora_weights=init_lora_weights, task_type="CAUSAL_LM")
+    names = list(names)
+    if not isinstance(model, PeftModel):
+        model = get_peft_model(model, config, adapter_name=names[0])
+        names = names[1:]
+    for name in names:
+        model.add_adapter(name, config)
+    return model
+
+
+def has_adapter(model, name: str) -> bool:
+    return name in getattr(model, "peft_config", {})
+
+
+def lora_parameters(model, name: str) -> dict[str, torch.nn.Parameter]:
+    """The parameters of one adapter, keyed by their name without the adapter name."""
+    tag = f".{name}."
+    return {k.replace(tag, "."): p for k, p in model.named_parameters() if "lora_" in k and tag in k}
+
+
+def adapter_state(model, name: str) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of one adapter's weights (a snapshot)."""
+    return {k: p.detach().to("cpu", copy=True) for k, p in lora_parameters(model, name).items()}
+
+
+def load_adapter_state(model, name: str, state: dict[str, torch.Tensor]) -> None:
+    """Overwrite adapter `name` with a snapshot taken by `adapter_state` (exactly)."""
+    params = lora_parameters(model, name)
+    missing = set(params) ^ set(state)
+    if missing:
+        raise KeyError(f"snapshot does not match adapter {name!r}: {sorted(missing)[:3]} ...")
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(state[k].to(p.device, p.dtype))
+
+
+def adapter_nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def trainable_parameters(model, name: str) -> list[torch.nn.Parameter]:
+    """Parameters of adapter `name`, marked trainable; every other parameter frozen."""
+    params = lora_parameters(model, name)
+    keep = {id(p) for p in params.values()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+    return list(params.values())
+
+
+def save_adapter(model, name: str, path) -> None:
+    """Save one adapter in standard PEFT format (adapter_config.json + safetensors)."""
+    model.save_pretrained(str(path), selected_adapters=[name])
+
+
+def load_adapter(model, name: str, path) -> None:
+    """Load a PEFT-format adapter saved by `save_adapter` into slot `name`."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    folder = Path(path) / name if (Path(path) / name).exists() else Path(path)
+    state = load_file(str(folder / "adapter_model.safetensors"))
+    if not has_adapter(model, name):
+        from peft import PeftConfig
+
+        model.add_adapter(name, PeftConfig.from_pretrained(str(folder)))
+    set_peft_model_state_dict(model, state, adapter_name=name)
+
+
+@contextlib.contextmanager
+def use_adapter(model, name: str | None):
+    """Run the block with adapter `name` active, or with adapters disabled when None.
+
+    With name=None this is the reference model (the frozen base) used for the KL term.
+    """
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        if name is not None:
+            raise ValueError(f"model has no adapters, cannot activate {name!r}")
+        yield model
+        return
+    if name is None:
+        with model.disable_adapter():
+            yield model
+        return
+    previous = model.active_adapter
+    model.base_model.set_adapter(name)  # peft marks only the active adapter trainable...
+    try:
+        yield model
+    finally:
+        model.base_model.set_adapter(previous)
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def output_embedding(model) -> torch.Tensor:
+    """The LM head weight [V, H] (tied or not), for `logprobs.token_logprobs`."""
+    return model.get_output_embeddings().weight
+
+
+def final_hidden_states(model, input_ids, attention_mask) -> torch.Tensor:
+    """Run the transformer body only (no LM head), returning hidden states [B, T, H].
+
+    The LM head is applied by `logprobs.token_logprobs` in chunks, so no [B, T, V]
+    logits tensor is ever built during training.
+    """
+    body = model.get_base_model().model if hasattr(model, "get_base_model") else model.model
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+               use_cache=False)
+    return out.last_hidden_state

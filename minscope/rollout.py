@@ -1,0 +1,283 @@
+"""The multi-turn, two-party rollout engine.
+
+An *agent* (the policy) and a *partner* (a user simulator, or a second agent) take turns.
+Each party sees the conversation through its own chat template with the roles flipped:
+its own turns are "assistant", the other party's are "user", environment turns (tool
+results) are "tool" for the agent and hidden from the partner.
+
+Every live conversation's next turn is generated in ONE batched call per party (left
+padding, KV cache). Each party keeps, per episode, a token *stream*: exactly the ids it was
+fed and the ids it sampled. The stream is extended by tokenizing only the new chat-template
+text between turns, so the tokens a party is later trained on are exactly the ones it
+sampled — generated text is never re-tokenized.
+
+    Episode ──► streams["agent"]   = ids, mask (1 on the agent's sampled tokens), logp
+            └─► streams["partner"] = ids, mask (1 on the partner's sampled tokens), logp
+
+On generated tokens the two masks are complementary: every sampled token belongs to exactly
+one party's stream with mask 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .envs.base import Episode, Turn
+from .models import model_device, use_adapter
+
+
+# --------------------------------------------------------------------------- sampling
+def _cache_kwarg(model) -> str:
+    """transformers renamed `past_key_values` to `cache` in 5.2x; support both."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_new_tokens: int,
+           temperature: float = 1.0, adapter_names: list[str] | None = None):
+    """Sample continuations of many prompts in one batch (left padding + KV cache).
+
+    temperature 0 means greedy. Returns (token ids, log-probs) per prompt; each list stops
+    after the first EOS or at `max_new_tokens`. Log-probs are under the sampling
+    distribution softmax(logits / temperature) (the greedy token's under temperature 1).
+    """
+    device = model_device(model)
+    B, T = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, T), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, T - len(p):] = torch.tensor(p)
+        attention[i, T - len(p):] = 1
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    position = (attention.cumsum(-1) - 1).clamp(min=0)                  # [B, T]
+    extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
+
+    out_ids = [[] for _ in range(B)]
+    out_logp = [[] for _ in range(B)]
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    eos = torch.tensor(sorted(eos_ids), device=device)
+    cache = None
+    cache_kw = _cache_kwarg(model)
+    step_ids, step_pos = input_ids, position
+    for _ in range(max_new_tokens):
+        out = model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos,
+                    use_cache=True, logits_to_keep=1, **{cache_kw: cache}, **extra)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        logits = out.logits[:, -1].float()                               # [B, V]
+        if temperature > 0:
+            logprobs = torch.log_softmax(logits / temperature, dim=-1)
+            token = torch.multinomial(logprobs.exp(), 1).squeeze(1)      # [B]
+        else:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            token = logprobs.argmax(-1)
+        token_logp = logprobs.gather(1, token[:, None]).squeeze(1)
+        for i in torch.nonzero(~finished).flatten().tolist():
+            out_ids[i].append(int(token[i]))
+            out_logp[i].append(float(token_logp[i]))
+        finished |= torch.isin(token, eos)
+        if finished.all():
+            break
+        step_ids = token[:, None]
+        step_pos = step_pos[:, -1:] + 1
+        attention = torch.cat([attention, torch.ones((B, 1), dtype=attention.dtype, device=device)], 1)
+    return out_ids, out_logp
+
+
+# --------------------------------------------------------------------------- views
+def view_messages(env, episode: Episode, role: str) -> list[dict]:
+    """The conversation as `role` sees it, as chat messages (its own turns = assistant)."""
+    lead = env.agent_messages(episode.task) if role == "agent" else env.partner_messages(episode.task)
+    messages = list(lead)
+    for turn in episode.turns:
+        if turn.role == role:
+            messages.append({"role": "assistant", "content": turn.text})
+        elif turn.role == "env":
+            if role == "agent":          # tool results go to the agent only
+                messages.append({"role": "tool", "content": turn.text})
+        elif turn.public:
+            messages.append({"role": "user", "content": turn.text})
+    return messages
+
+
+@dataclass
+class Stream:
+    """What one party was fed and sampled in one episode (see module docstring)."""
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)      # 1 = sampled by this party
+    logp: list[float] = field(default_factory=list)    # sampling log-prob (0 where mask 0)
+    text: str = ""                                      # the text that `ids` spell
+    exact: bool = True                                  # False once the history was rewritten
+
+    def extend_prompt(self, tokenizer, rendered: str):
+        """Append the ids of the chat-template text that follows what we already have."""
+        if rendered.startswith(self.text):
+            delta = rendered[len(self.text):]
+        else:
+            # The history was rewritten (e.g. Verbalized Sampling shows only the drawn
+            # reply, or a template drops old content): restart from the full prompt.
+            # Such a stream is not used for training (`exact` is False).
+            self.ids, self.mask, self.logp, delta, self.exact = [], [], [], rendered, False
+        new = tokenizer(delta, add_special_tokens=False)["input_ids"] if delta else []
+        self.ids += new
+        self.mask += [0] * len(new)
+        self.logp += [0.0] * len(new)
+        self.text = rendered
+
+    def extend_sampled(self, tokenizer, ids: list[int], logp: list[float]):
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        self.logp += logp
+        self.text += tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def eos_token_ids(tokenizer, model=None) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen is not None:
+        ids |= set(gen if isinstance(gen, list) else [gen])
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return {i for i in ids if i is not None}
+
+
+class LMSpeaker:
+    """A party played by a causal LM (optionally through a LoRA adapter).
+
+    role: "agent" or "partner" — whose turns this speaker produces.
+    adapter: adapter name, None for the plain base, or a function episode -> name for
+             per-episode adapters (a population): rows with different adapters are still
+             generated in one batch (peft mixed-adapter batches).
+    temperature: sampling temperature. An "aligned", mode-collapsed simulator is modelled
+             by gamma-sharpening the logits, i.e. temperature = 1 / gamma.
+    """
+
+    def __init__(self, model, tokenizer, role: str, adapter=None, temperature: float = 1.0,
+                 max_new_tokens: int = 64, name: str | None = None, system_suffix: str = ""):
+        self.model, self.tokenizer, self.role = model, tokenizer, role
+        self.adapter, self.temperature, self.max_new_tokens = adapter, temperature, max_new_tokens
+        self.name = name or (adapter if isinstance(adapter, str) else role)
+        self.system_suffix = system_suffix  # str or episode -> str, appended to the system message
+        self.eos = eos_token_ids(tokenizer, model)
+
+    def adapter_of(self, episode):
+        return self.adapter(episode) if callable(self.adapter) else self.adapter
+
+    def render(self, env, episode) -> str:
+        messages = view_messages(env, episode, self.role)
+        suffix = self.system_suffix(episode) if callable(self.system_suffix) else self.system_suffix
+        if suffix:
+            if messages and messages[0]["role"] == "system":
+                messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + suffix}
+            else:
+                messages.insert(0, {"role": "system", "content": suffix})
+        tools = env.agent_tools(episode.task) if self.role == "agent" else None
+        kwargs = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+    def generate(self, episodes: list[Episode], env, stream_key: str | None = None):
+        """Sample one turn for each episode; returns (texts, ids, logps). Updates streams."""
+        key = stream_key or self.role
+        streams = []
+        for ep in episodes:
+            stream = ep.info.setdefault("streams", {}).setdefault(key, Stream())
+            stream.extend_prompt(self.tokenizer, self.render(env, ep))
+            streams.append(stream)
+        names = [self.adapter_of(ep) for ep in episodes]
+        kwargs = dict(pad_id=self.tokenizer.pad_token_id, eos_ids=self.eos,
+                      max_new_tokens=self.max_new_tokens, temperature=self.temperature)
+        prompts = [s.ids for s in streams]
+        if len(set(names)) == 1:
+            with use_adapter(self.model, names[0]):
+                ids, logps = sample(self.model, prompts, **kwargs)
+        else:   # a population: one batch, one adapter per row ("__base__" = no adapter)
+            ids, logps = sample(self.model, prompts, adapter_names=[n or "__base__" for n in names], **kwargs)
+        texts = []
+        for stream, gen, lp in zip(streams, ids, logps):
+            stream.extend_sampled(self.tokenizer, gen, lp)
+            content = gen[:-1] if gen and gen[-1] in self.eos else gen
+            texts.append(self.tokenizer.decode(content, skip_special_tokens=True))
+        return texts, ids, logps
+
+    def respond(self, episodes: list[Episode], env) -> list[Turn]:
+        texts, ids, _ = self.generate(episodes, env)
+        return [Turn(role=self.role, text=t, token_ids=i) for t, i in zip(texts, ids)]
+
+    def assign(self, episodes: list[Episode]):
+        for ep in episodes:
+            ep.partner_name = self.name
+
+
+# --------------------------------------------------------------------------- the loop
+def rollout(env, tasks, agent, partner, group_size: int = 1, progress=None) -> list[Episode]:
+    """Play every task `group_size` times: returns scored episodes, grouped consecutively.
+
+    `agent` and `partner` are speakers: objects with `respond(episodes, env) -> [Turn]`
+    (an LM speaker, a simulator strategy, or a scripted population such as real users).
+    """
+    episodes = [Episode(task=t, group=g) for g, t in enumerate(tasks) for _ in range(group_size)]
+    if hasattr(partner, "assign"):
+        partner.assign(episodes)
+    speaker_of = {"agent": agent, "partner": partner}
+    nxt = {id(ep): env.first_speaker(ep.task) for ep in episodes}
+    live = list(episodes)
+    while live:
+        for role in ("agent", "partner"):
+            batch = [ep for ep in live if nxt[id(ep)] == role]
+            if not batch:
+                continue
+            for ep, turn in zip(batch, speaker_of[role].respond(batch, env)):
+                ep.turns.append(turn)
+                step = env.after_turn(ep)
+                ep.turns.extend(step.inject)
+                nxt[id(ep)] = step.next_speaker
+                if step.next_speaker is None:
+                    ep.done = True
+        live = [ep for ep in live if not ep.done]
+        if progress is not None:
+            progress(len(episodes) - len(live), len(episodes))
+    for ep in episodes:
+        ep.reward, info = env.score(ep)
+        ep.info.update(info)
+    return episodes
+
+
+# --------------------------------------------------------------------------- training view
+@dataclass
+class TrainingBatch:
+    input_ids: torch.Tensor      # [B, T] right-padded
+    attention_mask: torch.Tensor # [B, T]
+    loss_mask: torch.Tensor      # [B, T-1] 1 where target token t+1 was sampled by the party
+    old_logp: torch.Tensor       # [B, T-1] sampling log-prob of those targets
+    index: list[int]             # which episodes made it in (those with a usable stream)
+
+
+def training_batch(episodes: list[Episode], key: str, pad_id: int) -> TrainingBatch:
+    """Token ids + loss mask of one party's own sampled tokens, for every episode.
+
+    Episodes whose stream for `key` is missing or was rewritten are left out (`index` says
+    which rows are kept), so nothing is ever trained on re-tokenized text.
+    """
+    rows = [(i, ep.info["streams"][key]) for i, ep in enumerate(episodes)
+            if key in ep.info.get("streams", {}) and ep.info["streams"][key].exact]
+    if not rows:
+        raise ValueError(f"no episode has an exact '{key}' stream to train on")
+    T = max(len(s.ids) for _, s in rows)
+    B = len(rows)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float)
+    logp = torch.zeros((B, T), dtype=torch.float)
+    for r, (_, s) in enumerate(rows):
+        n = len(s.ids)
+        ids[r, :n] = torch.tensor(s.ids)
+        attn[r, :n] = 1
+        mask[r, :n] = torch.tensor(s.mask, dtype=torch.float)
+        logp[r, :n] = torch.tensor(s.logp)
+    # Position t predicts token t+1: shift the target-side tensors left by one.
+    return TrainingBatch(ids, attn, mask[:, 1:], logp[:, 1:], [i for i, _ in rows])

@@ -1,0 +1,183 @@
+"""User simulators: every way the paper lets a simulator take part in training.
+
+All of them are *speakers*: `respond(episodes, env) -> [Turn]` produces the partner's next
+turn for a batch of conversations, and `assign(episodes)` (called once per rollout) says
+which simulator serves each episode. The rollout engine and the trainer only see that.
+
+    Frozen           one fixed LM (+ adapter + prompt)                 RL (Single)
+    Verbalized       a frozen LM asked for k replies with probabilities; one is drawn
+    Ensemble         K frozen simulators rotated across rollout groups
+    PersonaGuided    a frozen LM conditioned on a persona drawn per rollout
+    Trainable        a LoRA adapter trained on its own turns            Co-Training
+    Population       a FIFO pool of the trainable adapter's snapshots  Population Co-Training
+
+A mode-collapsed ("aligned") simulator is an LM sampled with its logits multiplied by
+gamma > 1, i.e. temperature 1/gamma (the paper's P^gamma model of alignment).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+from .envs.base import Turn
+from .models import adapter_nbytes, adapter_state, add_adapters, has_adapter, load_adapter_state
+from .rollout import LMSpeaker
+from . import verbalized
+
+
+class Frozen(LMSpeaker):
+    """A fixed simulator: an LM (optionally through an adapter) at a fixed temperature."""
+
+    def __init__(self, model, tokenizer, adapter=None, temperature: float = 1.0,
+                 max_new_tokens: int = 64, name: str = "frozen", system_suffix=""):
+        super().__init__(model, tokenizer, "partner", adapter, temperature, max_new_tokens, name,
+                         system_suffix)
+
+
+class Verbalized:
+    """Verbalized Sampling around a frozen simulator.
+
+    The simulator's system prompt gets an instruction asking for `k` candidate replies with
+    probabilities as JSON; the reply that enters the conversation is drawn from the parsed
+    candidates (`weighted` by the renormalised probabilities, or `uniform`). Rows whose
+    output cannot be parsed are regenerated up to `retries` times, then fall back to the
+    raw text. `stats` counts parse failures, retries, fallbacks and the drawn entropy.
+    """
+
+    def __init__(self, base: LMSpeaker, k: int = 5, mode: str = "weighted", retries: int = 2,
+                 seed: int = 0, max_new_tokens: int | None = None, name: str | None = None):
+        self.speaker = LMSpeaker(base.model, base.tokenizer, "partner", base.adapter,
+                                 base.temperature, max_new_tokens or base.max_new_tokens * (k + 1),
+                                 name or f"vs({base.name})", verbalized.vs_instruction(k))
+        self.name, self.k, self.mode, self.retries = self.speaker.name, k, mode, retries
+        self.rng = random.Random(seed)
+        self.stats = verbalized.VSStats()
+
+    def assign(self, episodes):
+        self.speaker.assign(episodes)
+
+    def respond(self, episodes, env):
+        replies: list[Turn | None] = [None] * len(episodes)
+        todo = list(range(len(episodes)))
+        raw = {}
+        for attempt in range(self.retries + 1):
+            if not todo:
+                break
+            if attempt:
+                for i in todo:   # regenerate from the same history: rewind the stream
+                    episodes[i].info["streams"].pop("partner", None)
+            texts, ids, _ = self.speaker.generate([episodes[i] for i in todo], env)
+            failed = []
+            for i, text, tok in zip(todo, texts, ids):
+                reply, cands, dist = verbalized.pick(text, self.rng, self.mode, self.stats, attempt)
+                raw[i] = text
+                if reply is None:
+                    failed.append(i)
+                else:
+                    replies[i] = Turn("partner", reply, token_ids=tok,
+                                      meta={"vs_candidates": [(c.text, c.probability) for c in cands],
+                                            "vs_dist": dist})
+            todo = failed
+        for i in todo:
+            replies[i] = Turn("partner", verbalized.fallback(raw[i], self.stats), meta={"vs_fallback": True})
+        return replies
+
+
+class Ensemble:
+    """K frozen simulators rotated cyclically across rollout groups."""
+
+    def __init__(self, members: list, name: str = "ensemble"):
+        self.members, self.name = members, name
+
+    def assign(self, episodes):
+        for ep in episodes:
+            ep.partner_name = self.members[ep.group % len(self.members)].name
+
+    def respond(self, episodes, env):
+        out: list[Turn | None] = [None] * len(episodes)
+        for member in self.members:
+            idx = [i for i, ep in enumerate(episodes) if ep.partner_name == member.name]
+            if idx:
+                for i, turn in zip(idx, member.respond([episodes[i] for i in idx], env)):
+                    out[i] = turn
+        return out
+
+
+class PersonaGuided(LMSpeaker):
+    """A frozen simulator told to play a persona drawn per rollout group from a bank."""
+
+    def __init__(self, model, tokenizer, personas: list[str], adapter=None, temperature=1.0,
+                 max_new_tokens=64, seed: int = 0, name: str = "persona"):
+        super().__init__(model, tokenizer, "partner", adapter, temperature, max_new_tokens, name,
+                         system_suffix=lambda ep: "Play this person:\n" + ep.info["persona"])
+        if not personas:
+            raise ValueError("PersonaGuided needs a non-empty persona bank from the environment")
+        self.personas, self.rng = personas, random.Random(seed)
+
+    def assign(self, episodes):
+        drawn = {}
+        for ep in episodes:
+            if ep.group not in drawn:
+                drawn[ep.group] = self.rng.choice(self.personas)
+            ep.info["persona"] = drawn[ep.group]
+            ep.partner_name = self.name
+
+
+class Trainable(LMSpeaker):
+    """The Co-Training simulator: adapter `adapter` on `model`, trained on its own turns
+    with the simulator reward `reward` (adversarial | cooperative | curriculum | shared)."""
+
+    def __init__(self, model, tokenizer, adapter: str = "simulator", reward: str = "adversarial",
+                 temperature: float = 1.0, max_new_tokens: int = 64, name: str = "cotrain"):
+        super().__init__(model, tokenizer, "partner", adapter, temperature, max_new_tokens, name)
+        self.reward, self.trainable_adapter = reward, adapter
+
+
+class Population(Trainable):
+    """Population Co-Training: a FIFO pool of the last K snapshots of the trainable adapter.
+
+    Each rollout group draws its simulator uniformly from the pool (one batch serves all
+    members at once through per-row adapters). The trainable adapter keeps learning between
+    snapshots; `snapshot()` is called every `every` policy steps. Snapshots are LoRA state
+    dicts on the shared base, loaded into K adapter slots `pool0..pool{K-1}`.
+    """
+
+    def __init__(self, model, tokenizer, adapter: str = "simulator", reward: str = "adversarial",
+                 size: int = 5, every: int = 4, temperature: float = 1.0, max_new_tokens: int = 64,
+                 seed: int = 0, name: str = "population", lora_r: int = 8, lora_alpha: int = 16):
+        super().__init__(model, tokenizer, adapter, reward, temperature, max_new_tokens, name)
+        self.size, self.every, self.rng = size, every, random.Random(seed)
+        self.pool: deque = deque(maxlen=size)      # (step, state dict), oldest first
+        self.slots = [f"pool{i}" for i in range(size)]
+        for slot in self.slots:
+            if not has_adapter(model, slot):
+                add_adapters(model, [slot], r=lora_r, alpha=lora_alpha)
+        self.adapter = lambda ep: ep.partner_name
+
+    def snapshot(self, step: int):
+        """Push the trainable adapter's weights into the pool (dropping the oldest)."""
+        self.pool.append((step, adapter_state(self.model, self.trainable_adapter)))
+        for slot, (_, state) in zip(self.slots, self.pool):
+            load_adapter_state(self.model, slot, state)
+
+    def pool_nbytes(self) -> int:
+        return sum(adapter_nbytes(s) for _, s in self.pool)
+
+    def assign(self, episodes):
+        if not self.pool:
+            self.snapshot(0)
+        drawn = {}
+        for ep in episodes:
+            if ep.group not in drawn:
+                drawn[ep.group] = self.slots[self.rng.randrange(len(self.pool))]
+            ep.partner_name = drawn[ep.group]
+
+    def state(self):
+        return {"pool": list(self.pool), "rng": self.rng.getstate()}
+
+    def load_state(self, state):
+        self.pool = deque(state["pool"], maxlen=self.size)
+        self.rng.setstate(state["rng"])
+        for slot, (_, s) in zip(self.slots, self.pool):
+            load_adapter_state(self.model, slot, s)

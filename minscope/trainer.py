@@ -1,0 +1,96 @@
+"""The GRPO update of one adapter from a batch of episodes (used for the policy and, in
+Co-Training, for the simulator: the same loss on the other party's tokens).
+
+    episodes ──► training_batch(key)  ids, mask of this party's sampled tokens, old logp
+             ──► final_hidden_states ──► token_logprobs (chunked LM head, no [B,T,V] logits)
+             ──► grpo_loss(logp, old_logp, ref_logp, A) ──► backward ──► clip ──► AdamW
+
+`old_logp` is the log-prob recorded when the token was sampled, so the ratio is correct
+even when the tokens came from another adapter (a pool snapshot in Population
+Co-Training): that is ordinary importance sampling, and the clip keeps it safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .grpo import aggregation_weights, token_loss
+from .logprobs import token_logprobs
+from .models import final_hidden_states, output_embedding, trainable_parameters, use_adapter
+from .rollout import training_batch
+
+
+@dataclass
+class UpdateConfig:
+    lr: float = 1e-6
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    beta: float = 0.0            # KL-to-reference coefficient (paper: 0.005)
+    aggregation: str = "token"   # token | sequence | fixed
+    epochs: int = 1              # passes over the batch per step
+    micro_batch: int = 64        # sequences per forward/backward (memory knob; same result)
+    grad_clip: float = 1.0
+    temperature: float = 1.0     # the sampling temperature the tokens were drawn with
+    weight_decay: float = 0.1
+
+
+def make_optimizer(model, adapter: str, cfg: UpdateConfig):
+    """AdamW over one adapter's parameters (betas as in the paper)."""
+    params = trainable_parameters(model, adapter)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
+
+
+def sequence_logprobs(model, input_ids, attention_mask, temperature: float, adapter, entropy=False):
+    """Log-probs [B, T-1] of each next token (and entropies) under `adapter`."""
+    with use_adapter(model, adapter):
+        hidden = final_hidden_states(model, input_ids, attention_mask)[:, :-1]   # [B, T-1, H]
+        out = token_logprobs(hidden, output_embedding(model), input_ids[:, 1:],
+                             temperature=temperature, return_entropy=entropy)
+    return out
+
+
+def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: torch.Tensor,
+                cfg: UpdateConfig, pad_id: int) -> dict:
+    """One GRPO step on adapter `adapter` from the `key` party's tokens of `episodes`.
+
+    advantages: [len(episodes)], one per episode. Returns averaged statistics.
+    """
+    batch = training_batch(episodes, key, pad_id)
+    device = next(model.parameters()).device
+    adv = advantages[batch.index].to(device)                                     # [B]
+    ids, attn = batch.input_ids.to(device), batch.attention_mask.to(device)
+    mask, old = batch.loss_mask.to(device), batch.old_logp.to(device)
+    weights = aggregation_weights(mask, cfg.aggregation)                         # [B, T-1]
+    ref = None
+    if cfg.beta:
+        with torch.no_grad():
+            ref = sequence_logprobs(model, ids, attn, cfg.temperature, adapter=None)
+    trainable_parameters(model, adapter)
+    model.train()
+    sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    n_tok = mask.sum().clamp_min(1)
+    for _ in range(cfg.epochs):
+        optimizer.zero_grad(set_to_none=True)
+        for s in range(0, ids.shape[0], cfg.micro_batch):
+            sl = slice(s, s + cfg.micro_batch)
+            logp, ent = sequence_logprobs(model, ids[sl], attn[sl], cfg.temperature, adapter, entropy=True)
+            per_tok, ratio, clipped = token_loss(logp, old[sl], None if ref is None else ref[sl],
+                                                 adv[sl, None].expand_as(logp), cfg.eps_low,
+                                                 cfg.eps_high, cfg.beta)
+            loss = (weights[sl] * per_tok).sum()   # weights already hold the batch normaliser
+            loss.backward()
+            m = mask[sl].bool()
+            sums["loss"] += loss.item() / cfg.epochs
+            sums["clip_frac"] += (clipped & m).sum().item() / n_tok.item() / cfg.epochs
+            sums["entropy"] += (ent * mask[sl]).sum().item() / n_tok.item() / cfg.epochs
+            if ref is not None:
+                d = ref[sl] - logp.detach()
+                sums["kl"] += ((d.exp() - d - 1) * mask[sl]).sum().item() / n_tok.item() / cfg.epochs
+        params = [p for p in model.parameters() if p.requires_grad]
+        sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) / cfg.epochs
+        optimizer.step()
+    model.eval()
+    sums["tokens"] = int(n_tok.item())
+    return sums

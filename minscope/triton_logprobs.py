@@ -1,0 +1,231 @@
+"""Triton kernels for `logprobs` on CUDA: LM-head matmul tiles fused with the softmax math.
+
+`minscope.logprobs` imports this module only when backend="triton" (or "auto" on CUDA), so
+the rest of minscope never needs Triton. Notation, for N rows, hidden size H, vocab V:
+
+    x [N, H] hidden states, W [V, H] LM head, y [N] target ids, T temperature
+    z = x @ W.T / T                         [N, V]   never stored by the forward kernel
+    lse = logsumexp(z)                      [N]
+    logp = z[y] - lse                       [N]
+    entropy = lse - sum_v softmax(z)_v z_v  [N]
+
+Two kernels:
+
+* `_softmax_stats_kernel` (forward). One program owns BLOCK_N rows and one slice of the
+  vocabulary. For each [BLOCK_N, BLOCK_V] tile it computes z with `tl.dot` over H, then,
+  while the tile is still in registers, updates the online softmax state of each row:
+  running max m, sum of exp(z - m), sum of exp(z - m) * z (for the entropy) and the target
+  logit. Nothing of size [N, V] touches memory. Splitting the vocabulary over programs keeps
+  the GPU busy when N is small; the per-split states [N, S] are merged in PyTorch (tiny).
+
+* `_logit_grad_kernel` (backward / fused GRPO). One program owns one [BLOCK_N, BLOCK_V]
+  tile: it recomputes z with `tl.dot`, and in the same registers forms the gradient w.r.t.
+  the raw logits x @ W.T,
+
+      G = dlogp[:, None] * (onehot(y) - exp(z - lse)) / T
+
+  stored once in the input dtype. The caller then runs two cuBLAS matmuls, dx = G @ W and
+  dW = G.T @ x. Why not accumulate dx in the kernel like flash attention does: a row block's
+  dx is [BLOCK_N, H] with H = 1024..4096 here, far more than fits in registers (attention
+  gets away with it because its head dim is <= 256). So the backward holds one [chunk, V]
+  tile of G in the input dtype; `logprobs` walks the rows chunk by chunk.
+
+Tile sizes come from `kernel_config`: ordinary bf16 GEMM tiles (128 x 128 output tiles
+where shared memory allows, as on Hopper; 64 x 128 on consumer GPUs with ~100 KB per
+block). They have not been tuned on hardware.
+
+Under TRITON_INTERPRET=1 (CPU tests) the interpreter cannot multiply bfloat16 tiles (it
+stores them as raw uint16), so there the tiles are upcast to float32 before `tl.dot`.
+The products of two bf16 numbers are exact in fp32, so this does not change the maths.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _logits_tile(x_ptr, w_ptr, rows, cols, N, V, H, stride_x, stride_w, inv_temp,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                 DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    """z = x[rows] @ W[cols].T / T as a [BLOCK_N, BLOCK_V] fp32 tile (rows/cols are int64)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + hs[None, :],
+                    mask=(rows[:, None] < N) & (hs[None, :] < H), other=0.0)   # [BLOCK_N, BLOCK_H]
+        w = tl.load(w_ptr + cols[:, None] * stride_w + hs[None, :],
+                    mask=(cols[:, None] < V) & (hs[None, :] < H), other=0.0)   # [BLOCK_V, BLOCK_H]
+        if DOT_FP32:  # interpreter only: it cannot multiply bf16 tiles
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        if IEEE:      # fp32 inputs: exact fp32 products, like torch.matmul (no TF32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:         # bf16/fp16 inputs: tensor cores, fp32 accumulation
+            acc = tl.dot(x, tl.trans(w), acc)
+    return acc * inv_temp
+
+
+@triton.jit
+def _softmax_stats_kernel(x_ptr, w_ptr, y_ptr, max_ptr, sumexp_ptr, sumexpz_ptr, target_ptr,
+                          N, V, H, stride_x, stride_w, inv_temp, v_per_split, n_splits,
+                          BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                          DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax state of BLOCK_N rows over one vocab slice -> partials [N, n_splits]."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)     # [BLOCK_N]
+    row_ok = rows < N
+    y = tl.load(y_ptr + rows, mask=row_ok, other=-1)                  # [BLOCK_N] target ids
+
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)          # running max of z
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)                        # sum exp(z - m)
+    t = tl.zeros((BLOCK_N,), dtype=tl.float32)                        # sum exp(z - m) * z
+    z_target = tl.zeros((BLOCK_N,), dtype=tl.float32)                 # z[y] (0 if y elsewhere)
+
+    # v_per_split is a multiple of BLOCK_V and every split is non-empty, so each tile below
+    # has at least one real column and the running max stays finite after the first tile.
+    v_start = split.to(tl.int64) * v_per_split
+    v_end = tl.minimum(v_start + v_per_split, V)
+    for v0 in range(v_start, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)                             # [BLOCK_V]
+        col_ok = cols < v_end
+        z = _logits_tile(x_ptr, w_ptr, rows, cols, N, V, H, stride_x, stride_w, inv_temp,
+                         BLOCK_N, BLOCK_V, BLOCK_H, DOT_FP32, IEEE)   # [BLOCK_N, BLOCK_V]
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        # the softmax epilogue, on the tile still in registers
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        rescale = tl.exp(m - m_new)                                   # 0 on the first tile
+        p = tl.exp(z - m_new[:, None])                                # 0 on padded columns
+        s = s + tl.sum(p, axis=1)
+        t = t * rescale + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)
+        is_target = cols[None, :] == y[:, None]
+        z_target += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+        m = m_new
+
+    out = rows * n_splits + split
+    tl.store(max_ptr + out, m, mask=row_ok)
+    tl.store(sumexp_ptr + out, s, mask=row_ok)
+    tl.store(sumexpz_ptr + out, t, mask=row_ok)
+    tl.store(target_ptr + out, z_target, mask=row_ok)
+
+
+@triton.jit
+def _logit_grad_kernel(x_ptr, w_ptr, y_ptr, lse_ptr, dlogp_ptr, g_ptr,
+                       N, V, H, stride_x, stride_w, stride_g, inv_temp,
+                       BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                       DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    """G[rows, cols] = dlogp * (onehot(y) - softmax(z)) / T for one tile, in G's dtype."""
+    # Row blocks vary fastest: programs running together read the same W tile, so each
+    # tile of the (large) LM head comes from HBM about once per chunk; the chunk's rows of
+    # x are small enough to stay in L2.
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < N
+    col_ok = cols < V
+    y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    dlogp = tl.load(dlogp_ptr + rows, mask=row_ok, other=0.0)
+
+    z = _logits_tile(x_ptr, w_ptr, rows, cols, N, V, H, stride_x, stride_w, inv_temp,
+                     BLOCK_N, BLOCK_V, BLOCK_H, DOT_FP32, IEEE)
+    probs = tl.exp(z - lse[:, None])
+    onehot = (cols[None, :] == y[:, None]).to(tl.float32)
+    grad = (dlogp * inv_temp)[:, None] * (onehot - probs)
+    tl.store(g_ptr + rows[:, None] * stride_g + cols[None, :], grad.to(g_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ------------------------------------------------------------------------------ launchers
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _dot_flags(dtype: torch.dtype):
+    """(DOT_FP32, IEEE) constexprs for the tile dtype."""
+    return dtype != torch.float32 and _interpreting(), dtype == torch.float32
+
+
+def kernel_config(device: torch.device, dtype: torch.dtype) -> dict:
+    """Tile sizes and launch settings for `device` (any key can be overridden by callers)."""
+    # fp32 tiles take twice the bytes: halve the H step to keep shared memory per stage
+    config = dict(block_n=64, block_v=128, block_h=32 if dtype == torch.float32 else 64,
+                  num_warps=8, num_stages=3)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        # 3 stages of 128x64 + 128x64 bf16 tiles need ~96 KB of shared memory plus the
+        # epilogue's scratch: fine on Hopper (227 KB), too much for ~100 KB consumer GPUs.
+        if getattr(props, "shared_memory_per_block_optin", 0) >= 160 * 1024:
+            config["block_n"] = 128
+    return config
+
+
+def _vocab_splits(n_rows: int, n_vocab: int, device: torch.device, block_n: int, block_v: int) -> int:
+    """Vocab splits so that about two programs run per SM (1 off CUDA)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    row_blocks = triton.cdiv(n_rows, block_n)
+    return max(1, min(triton.cdiv(2 * sms, row_blocks), triton.cdiv(n_vocab, block_v)))
+
+
+def softmax_stats(hidden, weight, targets, temperature: float = 1.0, v_splits: int | None = None,
+                  config: dict | None = None):
+    """(logp [N], lse [N], entropy [N]) in fp32, without building [N, V] logits.
+
+    hidden [N, H] and weight [V, H] share a dtype and have a contiguous last dim;
+    targets [N] int64 ids in [0, V). `config` overrides entries of `kernel_config`.
+    """
+    cfg = {**kernel_config(hidden.device, hidden.dtype), **(config or {})}
+    n, h = hidden.shape
+    v = weight.shape[0]
+    splits = v_splits or _vocab_splits(n, v, hidden.device, cfg["block_n"], cfg["block_v"])
+    # every split gets a whole number of vocab tiles, and none is empty
+    v_per_split = triton.cdiv(triton.cdiv(v, splits), cfg["block_v"]) * cfg["block_v"]
+    splits = triton.cdiv(v, v_per_split)
+    partial = torch.empty(4, n, splits, dtype=torch.float32, device=hidden.device)
+    run_max, sumexp, sumexpz, z_target = partial                       # each [N, S]
+    dot_fp32, ieee = _dot_flags(hidden.dtype)
+    grid = (triton.cdiv(n, cfg["block_n"]), splits)
+    _softmax_stats_kernel[grid](
+        hidden, weight, targets, run_max, sumexp, sumexpz, z_target,
+        n, v, h, hidden.stride(0), weight.stride(0), 1.0 / temperature, v_per_split, splits,
+        BLOCK_N=cfg["block_n"], BLOCK_V=cfg["block_v"], BLOCK_H=cfg["block_h"],
+        DOT_FP32=dot_fp32, IEEE=ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    # merge the per-split states: bring every split to the common max, then add up
+    m = run_max.max(dim=1).values                                      # [N]
+    scale = torch.exp(run_max - m[:, None])                            # [N, S]
+    s = (sumexp * scale).sum(dim=1)
+    t = (sumexpz * scale).sum(dim=1)
+    lse = m + torch.log(s)
+    logp = z_target.sum(dim=1) - lse
+    entropy = lse - t / s
+    return logp, lse, entropy
+
+
+def logit_grad(hidden, weight, targets, lse, dlogp, temperature: float = 1.0,
+               config: dict | None = None):
+    """G [N, V] in hidden's dtype: d(sum dlogp * logp) / d(hidden @ weight.T).
+
+    lse [N] from `softmax_stats` (same temperature); dlogp [N] fp32 upstream gradient.
+    The caller forms dx = G @ weight and dW = G.T @ hidden.
+    """
+    cfg = {**kernel_config(hidden.device, hidden.dtype), **(config or {})}
+    n, h = hidden.shape
+    v = weight.shape[0]
+    grad = torch.empty(n, v, dtype=hidden.dtype, device=hidden.device)
+    dot_fp32, ieee = _dot_flags(hidden.dtype)
+    grid = (triton.cdiv(n, cfg["block_n"]), triton.cdiv(v, cfg["block_v"]))
+    _logit_grad_kernel[grid](
+        hidden, weight, targets, lse.float().contiguous(), dlogp.float().contiguous(), grad,
+        n, v, h, hidden.stride(0), weight.stride(0), grad.stride(0), 1.0 / temperature,
+        BLOCK_N=cfg["block_n"], BLOCK_V=cfg["block_v"], BLOCK_H=cfg["block_h"],
+        DOT_FP32=dot_fp32, IEEE=ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return grad

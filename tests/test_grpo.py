@@ -1,0 +1,92 @@
+"""GRPO as equations: hand-computed small cases."""
+import math
+
+import pytest
+import torch
+
+from minscope.grpo import aggregation_weights, group_advantages, grpo_loss, simulator_rewards, token_loss
+
+
+def test_group_advantages_zscore_each_group_with_population_std():
+    adv, zero_var = group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), group_size=2)
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0, 0.0]))
+    assert zero_var.tolist() == [False, True]
+
+
+def test_group_advantages_rejects_ragged_groups():
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(5), group_size=2)
+
+
+def test_ratio_above_upper_clip_stops_positive_advantage():
+    logp = torch.tensor([math.log(1.5)], requires_grad=True)
+    loss, ratio, clipped = token_loss(logp, torch.zeros(1), None, torch.ones(1), 0.2, 0.28)
+    assert loss.item() == pytest.approx(-1.28)          # -(clip(1.5) * 1)
+    assert clipped.item()
+    loss.sum().backward()
+    assert logp.grad.item() == 0.0
+
+
+def test_clip_is_asymmetric_for_negative_advantage():
+    # ratio 0.7 with A = -1: the clipped branch (0.8 * -1 = -0.8) is larger than 0.7 * -1,
+    # so the min picks the unclipped -0.7 ... and with ratio 0.5 below 1-eps_low = 0.8:
+    loss, _, clipped = token_loss(torch.tensor([math.log(0.5)]), torch.zeros(1), None,
+                                  -torch.ones(1), 0.2, 0.28)
+    assert loss.item() == pytest.approx(0.8)            # -min(0.5*-1, 0.8*-1) = 0.8
+    assert clipped.item()
+    # ratio 1.25 with A = +1 is inside [0.8, 1.28]: not clipped (eps_high = 0.28, not 0.2)
+    loss, _, clipped = token_loss(torch.tensor([math.log(1.25)]), torch.zeros(1), None,
+                                  torch.ones(1), 0.2, 0.28)
+    assert loss.item() == pytest.approx(-1.25)
+    assert not clipped.item()
+
+
+def test_kl_term_is_k3_estimator():
+    logp, ref = torch.tensor([0.0]), torch.tensor([math.log(0.5)])
+    loss, _, _ = token_loss(logp, logp, ref, torch.zeros(1), beta=0.1)
+    d = math.log(0.5)
+    assert loss.item() == pytest.approx(0.1 * (math.exp(d) - d - 1))
+
+
+def test_token_aggregation_is_mean_over_all_masked_tokens():
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    w = aggregation_weights(mask, "token")
+    assert torch.allclose(w, mask / 4)
+
+
+def test_sequence_aggregation_weighs_each_sequence_equally():
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    w = aggregation_weights(mask, "sequence")
+    assert torch.allclose(w[0], torch.tensor([1 / 6, 1 / 6, 1 / 6]))
+    assert torch.allclose(w[1], torch.tensor([0.5, 0.0, 0.0]))
+
+
+def test_fixed_aggregation_divides_by_batch_times_max_len():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    w = aggregation_weights(mask, "fixed", max_len=10)
+    assert torch.allclose(w, mask / 20)
+
+
+def test_grpo_loss_broadcasts_sequence_advantage_and_reports_stats():
+    logp = torch.zeros(2, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    loss, stats = grpo_loss(logp, logp, None, torch.tensor([2.0, -1.0]), mask,
+                            zero_var=torch.tensor([True, False]))
+    assert loss.item() == pytest.approx(-(2 + 2 - 1) / 3)   # ratio 1: loss = -mean(A) over tokens
+    assert stats["clip_frac"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)
+    assert stats["zero_var_frac"] == 0.5
+
+
+def test_simulator_rewards_adversarial_cooperative_shared():
+    r = torch.tensor([1.0, 0.0])
+    assert simulator_rewards(r, 2, "adversarial").tolist() == [-1.0, -0.0]
+    assert simulator_rewards(r, 2, "cooperative").tolist() == [1.0, 0.0]
+    assert simulator_rewards(r, 2, "shared").tolist() == [1.0, 0.0]
+
+
+def test_curriculum_reward_peaks_at_variance_quarter_and_is_shared_by_group():
+    half = simulator_rewards(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2, "curriculum")
+    assert half[:2].tolist() == pytest.approx([1.0, 1.0])                 # var 0.25
+    assert half[2:].tolist() == pytest.approx([math.exp(-0.0625 / 0.02)] * 2)  # var 0
+    with pytest.raises(ValueError):
+        simulator_rewards(torch.zeros(2), 2, "servile")

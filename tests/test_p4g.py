@@ -1,0 +1,292 @@
+"""Persuasion for Good: loading both official formats, personas, the split, the donation
+parser and the environment. Fixtures in tests/fixtures/p4g are small hand-written corpora
+in the CSV release layout and the two ConvoKit layouts (speakers.json and users.json)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minscope.envs.base import Episode, Turn
+from minscope.envs.p4g import P4GEnv, episode_donation, is_donation_ask, parse_donation
+from minscope.envs.p4g_data import (P4GDataNotFound, clean_survey, load_p4g, persona_split,
+                                    render_persona)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "p4g"
+CSV = FIXTURES / "csv"
+CONVOKIT = [FIXTURES / "convokit_speakers", FIXTURES / "convokit_users"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def csv_corpus():
+    return load_p4g(CSV)
+
+
+def episode(*turns):
+    """An episode from (role, text) pairs."""
+    return Episode(task=None, group=0, turns=[Turn(role, text) for role, text in turns])
+
+
+# ------------------------------------------------------------------------------ loading
+
+def test_csv_sentences_of_one_speaker_become_one_message(csv_corpus):
+    first = csv_corpus.dialogues[0]
+    assert first.messages[2] == ("persuader", "Great. Have you heard of Save the Children? "
+                                 "They help kids in poor countries get food and school.")
+    roles = [role for role, _ in first.messages]
+    assert roles == ["persuader", "persuadee"] * (len(roles) // 2)
+
+
+def test_bad_dialogues_are_dropped(csv_corpus):
+    assert csv_corpus.dropped_bad == 1
+    assert not any(d.id.startswith("BAD_") for d in csv_corpus.dialogues)
+    assert "user_9003" not in csv_corpus.persuadee_ids()
+
+
+def test_donation_above_two_dollars_is_unknown_not_clipped(csv_corpus):
+    d = next(d for d in csv_corpus.dialogues if d.persuadee_id == "user_9005")
+    assert d.donation is None and d.donation_raw == 50.0
+
+
+@pytest.mark.parametrize("folder", CONVOKIT, ids=lambda p: p.name)
+def test_convokit_layouts_give_the_same_personas_as_csv(folder, csv_corpus):
+    corpus = load_p4g(folder)
+    assert corpus.persuadee_ids() == csv_corpus.persuadee_ids()
+    for user in csv_corpus.persuadee_ids():
+        assert corpus.surveys[user] == pytest.approx(csv_corpus.surveys[user])
+        assert render_persona(corpus.surveys[user]) == render_persona(csv_corpus.surveys[user])
+
+
+@pytest.mark.parametrize("folder", CONVOKIT, ids=lambda p: p.name)
+def test_convokit_layouts_give_the_same_dialogues_and_donations_as_csv(folder, csv_corpus):
+    corpus = load_p4g(folder)
+    assert corpus.dropped_bad == csv_corpus.dropped_bad
+    as_tuples = lambda c: [(d.id, d.persuader_id, d.persuadee_id, d.messages, d.donation)  # noqa: E731
+                           for d in c.dialogues]
+    assert as_tuples(corpus) == as_tuples(csv_corpus)
+
+
+def test_missing_data_path_says_where_to_get_the_data_and_which_flag(tmp_path):
+    with pytest.raises(P4GDataNotFound) as err:
+        P4GEnv(tmp_path / "nowhere")
+    message = str(err.value)
+    assert "--data" in message and "persuasionforgood-corpus" in message
+    assert "Persuasion for Good" in message and "nowhere" in message
+
+
+def test_folder_without_corpus_files_is_the_same_clear_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("not the data")
+    with pytest.raises(P4GDataNotFound, match="--data"):
+        load_p4g(tmp_path)
+
+
+def test_corpus_is_found_one_folder_down(tmp_path, csv_corpus):
+    shutil.copytree(CSV, tmp_path / "FullData")
+    assert load_p4g(tmp_path).persuadee_ids() == csv_corpus.persuadee_ids()
+
+
+# ----------------------------------------------------------------------------- personas
+
+def test_persona_omits_missing_answers_and_never_prints_nan(csv_corpus):
+    text = render_persona(csv_corpus.surveys["user_9002"])   # no demographics, some blanks
+    assert "nan" not in text.lower() and "none" not in text.lower() and "NA" not in text
+    assert "Age" not in text and "agreeableness" not in text and "openness" not in text
+    assert "neuroticism 1.8" in text
+
+
+def test_persona_renders_every_group_of_a_complete_survey(csv_corpus):
+    text = render_persona(csv_corpus.surveys["user_9001"])
+    for expected in ["Age: 41", "Religion: Catholic", "Big Five personality (1-5): extraversion 2.6",
+                     "Moral foundations (1-6): care 4.6", "loyalty 3.3",
+                     "Schwartz values (1-6): conformity 5",
+                     "Decision style (1-5): rational 4, intuitive 2.5"]:
+        assert expected in text
+
+
+def test_implausible_age_is_left_out(csv_corpus):
+    assert "age" not in csv_corpus.surveys["user_9005"]
+    assert "Age" not in render_persona(csv_corpus.surveys["user_9005"])
+
+
+def test_persuadee_without_survey_answers_gets_no_task():
+    ids = [t.id for t in P4GEnv(CSV).tasks("all")]
+    assert "user_9004" not in ids
+    assert ids == ["user_9001", "user_9002", "user_9005"]    # one task per persuadee
+
+
+def test_clean_survey_reads_numeric_strings_and_other_key_spellings():
+    raw = {"Open.x": "3.5", "self-direction": 4, "sex.x": " Female ", "care.x": "nan",
+           "age.x": "NA", "B6": "1.0", "income": float("nan")}
+    assert clean_survey(raw) == {"open": 3.5, "self_direction": 4.0, "sex": "Female"}
+
+
+# -------------------------------------------------------------------------------- split
+
+def test_split_is_disjoint_and_covers_every_persona():
+    env = P4GEnv(CSV, test_fraction=0.5)
+    train = {t.id for t in env.tasks("train")}
+    test = {t.id for t in env.tasks("test")}
+    assert not train & test
+    assert train | test == {t.id for t in env.tasks("all")}
+
+
+def test_split_depends_only_on_the_user_id():
+    env = P4GEnv(CSV)
+    for split in ("train", "test"):
+        assert [t.id for t in env.tasks(split)] == [
+            t.id for t in env.tasks("all") if persona_split(t.id) == split]
+
+
+def test_split_holds_out_about_the_requested_fraction():
+    ids = [f"user_{i}" for i in range(4000)]
+    share = sum(persona_split(u, 0.2) == "test" for u in ids) / len(ids)
+    assert 0.17 < share < 0.23
+
+
+def test_split_is_the_same_in_a_fresh_python_process():
+    ids = [f"user_{i}" for i in range(200)]
+    here = "".join(persona_split(u)[1] for u in ids)
+    code = ("from minscope.envs.p4g_data import persona_split; "
+            f"print(''.join(persona_split(f'user_{{i}}')[1] for i in range(200)))")
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True).stdout.strip()
+    assert out == here
+
+
+def test_persona_bank_is_the_persona_texts_of_a_split():
+    env = P4GEnv(CSV, test_fraction=0.5)
+    assert env.persona_bank("test") == [t.persona_text for t in env.tasks("test")]
+
+
+# ------------------------------------------------------------------------------- parser
+
+@pytest.mark.parametrize("text, amount", [
+    ("[DONATE $1.25]", 1.25),
+    ("Sure. [GIVE $0.5]", 0.5),
+    ("[DONATE 50 cents]", 0.5),
+    ("[DONATE $0]", 0.0),
+])
+def test_tag_is_read(text, amount):
+    assert parse_donation(text) == pytest.approx(amount)
+
+
+def test_tag_wins_over_plain_language():
+    assert parse_donation("[DONATE $0.25] Honestly I'd give a dollar if I could.") == 0.25
+
+
+@pytest.mark.parametrize("text, amount", [
+    ("I'll give a dollar.", 1.0),
+    ("I can donate $0.50.", 0.5),
+    ("OK, I will give 50 cents.", 0.5),
+    ("Fine, I'll donate the whole $2!", 2.0),
+    ("I'll donate twenty-five cents", 0.25),
+    ("I'll donate $1 of my $2 payment.", 1.0),
+    ("I can't give $2, but I'll give $1.", 1.0),
+    ("I'll donate $1, is that okay?", 1.0),
+    ("I will donate .50 cents.", 0.5),
+])
+def test_plain_language_fallback(text, amount):
+    assert parse_donation(text) == pytest.approx(amount)
+
+
+@pytest.mark.parametrize("text", [
+    "I won't donate.",
+    "Sorry, I don't want to donate anything today.",
+    "I'd rather keep my $2.",
+    "I will not be donating.",
+])
+def test_refusals_read_as_zero(text):
+    assert parse_donation(text) == 0.0
+
+
+@pytest.mark.parametrize("text", [
+    "Hi! How are you today?",
+    "Would $1 be enough?",
+    "I donated $20 to a food bank last year.",
+    "I'm not sure if I will donate.",
+])
+def test_no_amount_stated_is_none(text):
+    assert parse_donation(text) is None
+
+
+@pytest.mark.parametrize("text, amount", [
+    ("[DONATE $0.5] ... okay, you convinced me. [DONATE $1]", 1.0),
+    ("I'll donate $1. Actually, I'll give 50 cents.", 0.5),
+    ("I'll donate $1. On second thought, I won't donate.", 0.0),
+])
+def test_the_last_amount_stated_counts(text, amount):
+    assert parse_donation(text) == pytest.approx(amount)
+
+
+@pytest.mark.parametrize("text", ["[DONATE $5]", "[GIVE $100]", "I will donate $10 to them."])
+def test_amounts_above_two_dollars_are_clamped(text):
+    assert parse_donation(text) == 2.0
+
+
+def test_episode_donation_reads_only_the_persuadee():
+    ep = episode(("agent", "Could you [DONATE $2]?"), ("partner", "I'll give 50 cents."),
+                 ("agent", "Would you give $1 instead?"), ("partner", "Okay, that's fine."))
+    assert episode_donation(ep) == 0.5
+
+
+def test_episode_donation_is_the_last_amount_across_turns():
+    ep = episode(("agent", "Hi!"), ("partner", "[DONATE $0.5]"),
+                 ("agent", "Thanks! Could you do $1?"), ("partner", "Alright. [DONATE $1]"))
+    assert episode_donation(ep) == 1.0
+
+
+def test_donation_ask_needs_a_request_and_money():
+    assert is_donation_ask("It helps kids. Would you donate $1 of your payment?")
+    assert not is_donation_ask("How are you today?")
+    assert not is_donation_ask("Save the Children spends most donations on programs.")
+
+
+# -------------------------------------------------------------------------- environment
+
+def test_prompts_state_the_task_the_situation_and_the_tag_rule():
+    env = P4GEnv(CSV, max_words=42)
+    task = env.tasks("all")[0]
+    agent = env.agent_messages(task)
+    partner = env.partner_messages(task)
+    assert [m["role"] for m in agent] == ["system"] and [m["role"] for m in partner] == ["system"]
+    for phrase in ["Save the Children", "$2", "deducted", "specific amount", "42 words"]:
+        assert phrase in agent[0]["content"]
+    for phrase in [task.persona_text, "earned $2", "free to keep", "[DONATE $N]", "[GIVE $N]", "42 words"]:
+        assert phrase in partner[0]["content"]
+    assert env.first_speaker(task) == "agent"
+
+
+def test_turns_alternate_until_max_turns_even_after_a_donation():
+    env = P4GEnv(CSV, max_turns=4)
+    ep = episode(("agent", "Hello, would you donate?"))
+    assert env.after_turn(ep).next_speaker == "partner"
+    ep.turns.append(Turn("partner", "[DONATE $2]"))
+    assert env.after_turn(ep).next_speaker == "agent"
+    ep.turns += [Turn("agent", "Thank you!"), Turn("partner", "You're welcome.")]
+    assert env.after_turn(ep).next_speaker is None
+
+
+def test_score_is_half_the_donation_with_info():
+    env = P4GEnv(CSV)
+    ep = episode(("agent", "Hi! Could you donate $1 to Save the Children?"),
+                 ("partner", "Maybe. Why?"),
+                 ("agent", "It feeds kids. Would you give $2?"),
+                 ("partner", "Okay. [DONATE $1.5]"))
+    reward, info = env.score(ep)
+    assert reward == pytest.approx(0.75)
+    assert info["donation"] == 1.5 and info["donation_stated"]
+    assert info["asks"] == 2 and info["turns"] == 4
+
+
+def test_score_without_a_stated_donation_is_zero():
+    reward, info = P4GEnv(CSV).score(episode(("agent", "Hello!"), ("partner", "Hi.")))
+    assert reward == 0.0 and info["donation"] == 0.0 and not info["donation_stated"]
+
+
+def test_simulator_reward_defaults_to_adversarial():
+    assert P4GEnv(CSV).default_simulator_reward == "adversarial"

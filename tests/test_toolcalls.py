@@ -1,0 +1,135 @@
+"""Tolerant parsing of Qwen3/Hermes-style <tool_call> blocks (minscope.toolcalls)."""
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minscope.toolcalls import (ParsedTurn, ToolCall, ToolCallError, format_tool_call,
+                                has_tool_call, parse_tool_calls)
+
+
+def only_call(text) -> ToolCall:
+    parsed = parse_tool_calls(text)
+    assert len(parsed.calls) == 1
+    assert isinstance(parsed.calls[0], ToolCall), parsed.calls[0]
+    return parsed.calls[0]
+
+
+def test_canonical_block_gives_name_and_arguments():
+    call = only_call('<tool_call>\n{"name": "get_user", "arguments": {"user_id": "u1"}}\n</tool_call>')
+    assert call == ToolCall("get_user", {"user_id": "u1"})
+
+
+def test_text_outside_blocks_is_the_message_content():
+    parsed = parse_tool_calls('Let me check.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\nOne moment.')
+    assert parsed.content == "Let me check.\n\nOne moment."
+
+
+def test_plain_text_has_no_calls():
+    parsed = parse_tool_calls("Your order has been cancelled.")
+    assert parsed == ParsedTurn("Your order has been cancelled.", [])
+    assert not has_tool_call("Your order has been cancelled.")
+
+
+def test_several_blocks_are_returned_in_order():
+    text = format_tool_call("a", {"x": 1}) + "\n" + format_tool_call("b", {"y": 2})
+    assert [c.name for c in parse_tool_calls(text).calls] == ["a", "b"]
+
+
+def test_missing_close_tag_at_the_end_is_tolerated():
+    call = only_call('<tool_call>\n{"name": "f", "arguments": {"k": "v"}}')
+    assert call == ToolCall("f", {"k": "v"})
+
+
+def test_missing_close_tag_before_the_next_block_is_tolerated():
+    text = '<tool_call>{"name": "a", "arguments": {}}\n<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    assert [c.name for c in parse_tool_calls(text).calls] == ["a", "b"]
+
+
+def test_code_fence_inside_the_block_is_ignored():
+    call = only_call('<tool_call>\n```json\n{"name": "f", "arguments": {"n": 3}}\n```\n</tool_call>')
+    assert call == ToolCall("f", {"n": 3})
+
+
+def test_text_after_the_json_object_is_ignored():
+    call = only_call('<tool_call>{"name": "f", "arguments": {"n": 3}} I hope this works</tool_call>')
+    assert call == ToolCall("f", {"n": 3})
+
+
+def test_arguments_given_as_a_json_string_are_decoded():
+    call = only_call('<tool_call>{"name": "f", "arguments": "{\\"n\\": 3}"}</tool_call>')
+    assert call.arguments == {"n": 3}
+
+
+def test_parameters_is_accepted_for_arguments():
+    assert only_call('<tool_call>{"name": "f", "parameters": {"n": 3}}</tool_call>').arguments == {"n": 3}
+
+
+def test_openai_function_wrapper_is_unwrapped():
+    call = only_call('<tool_call>{"type": "function", "function": {"name": "f", "arguments": {"n": 3}}}</tool_call>')
+    assert call == ToolCall("f", {"n": 3})
+
+
+def test_missing_arguments_mean_no_arguments():
+    assert only_call('<tool_call>{"name": "list_all_airports"}</tool_call>').arguments == {}
+
+
+def test_a_json_list_in_one_block_gives_several_calls():
+    parsed = parse_tool_calls('<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]</tool_call>')
+    assert [c.name for c in parsed.calls] == ["a", "b"]
+
+
+def test_python_literal_dict_is_accepted():
+    call = only_call("<tool_call>{'name': 'f', 'arguments': {'ok': True, 'x': None}}</tool_call>")
+    assert call == ToolCall("f", {"ok": True, "x": None})
+
+
+def test_invalid_json_becomes_an_error_that_shows_the_format():
+    parsed = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"n": </tool_call>')
+    [error] = parsed.calls
+    assert isinstance(error, ToolCallError)
+    assert error.message.startswith("Error:") and "<tool_call>" in error.message
+    assert error.raw == '{"name": "f", "arguments": {"n":'
+
+
+def test_missing_name_is_an_error():
+    [error] = parse_tool_calls('<tool_call>{"arguments": {"n": 1}}</tool_call>').calls
+    assert isinstance(error, ToolCallError) and '"name"' in error.message
+
+
+def test_non_object_arguments_are_an_error():
+    [error] = parse_tool_calls('<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>').calls
+    assert isinstance(error, ToolCallError) and "arguments" in error.message
+
+
+def test_empty_block_is_an_error():
+    [error] = parse_tool_calls("<tool_call>\n</tool_call>").calls
+    assert isinstance(error, ToolCallError)
+
+
+def test_valid_calls_skips_errors():
+    text = format_tool_call("a", {}) + "<tool_call>oops</tool_call>"
+    parsed = parse_tool_calls(text)
+    assert len(parsed.calls) == 2 and [c.name for c in parsed.valid_calls] == ["a"]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.from_regex(r"[a-z_]{1,12}", fullmatch=True),
+       arguments=st.dictionaries(st.text(max_size=6), json_values, max_size=4))
+def test_format_then_parse_round_trips(name, arguments):
+    assert only_call(format_tool_call(name, arguments)) == ToolCall(name, json.loads(json.dumps(arguments)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["<tool_call>", "</tool_call>", "{", "}", '"name"', ":", '"f"',
+                                 ",", '"arguments"', "[", "]", "```", "x", " ", "\n"]), max_size=30))
+def test_parsing_never_raises(pieces):
+    parsed = parse_tool_calls("".join(pieces))
+    assert all(isinstance(c, (ToolCall, ToolCallError)) for c in parsed.calls)
