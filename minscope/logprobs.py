@@ -26,7 +26,13 @@ outputs (log-probs, entropy) are fp32.
 tokens of a function of each token's own log-prob, so its derivative g = dloss/dlogp is
 known as soon as a chunk's log-probs are: the forward computes the gradient w.r.t. x
 (and W) on the spot and the backward only scales it. With the torch backend that is two
-matmuls per chunk (logits, dx) instead of three (logits, recomputed logits, dx).
+matmuls per chunk (logits, dx) instead of three (logits, recomputed logits, dx), at the
+price of holding the fp32 logits of one chunk. The triton backend still runs three (its
+forward kernel keeps no logits, its gradient kernel recomputes them), but all in the
+forward pass, so nothing besides dx has to be kept for the backward.
+
+The gradient w.r.t. W is summed over row chunks in fp32 and only cast to W's dtype at the
+end. The weight is usually frozen (LoRA); tiny models trained from scratch do need it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import functools
 import os
 
 import torch
+from torch.torch_version import TorchVersion
 
 from . import grpo
 
@@ -115,6 +122,7 @@ def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
 
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
+    """Whether `import triton` works here (checked once per process)."""
     try:
         import triton  # noqa: F401
     except Exception:  # ImportError, or a broken install that fails while importing
@@ -141,24 +149,63 @@ def _flatten(hidden, weight, targets, chunk_size, temperature):
     x = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return x, targets.reshape(-1).long()
+    return x, targets.reshape(-1).long().contiguous()
 
 
 # ------------------------------------------------------------------- torch chunk helpers
+# torch >= 2.8 lets a bf16/fp16 GEMM on CUDA write an fp32 result (`out_dtype`), so the
+# logits and the summed weight gradient are never rounded to 8 bits of mantissa.
+_CUDA_MM_OUT_DTYPE = TorchVersion(torch.__version__) >= (2, 8)
+
+
+def _mm_fp32(a, b):
+    """a @ b as fp32, the product computed in the inputs' dtype with fp32 accumulation."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and _CUDA_MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()          # CPU: no fp32-output kernel for bf16; round then widen
+
+
+def _addmm_fp32_(acc, a, b):
+    """acc += a @ b with acc fp32 [V, H] (the weight gradient, summed over row chunks)."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif a.is_cuda and _CUDA_MM_OUT_DTYPE:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
 def _chunk_logits(x_chunk, weight, temperature):
     """z = x @ W.T / T as fp32 [C, V]: matmul in the input dtype, a fresh tensor we may overwrite."""
-    z = (x_chunk @ weight.T).float()
+    z = _mm_fp32(x_chunk, weight.T)
     if temperature != 1.0:
         z.div_(temperature)
     return z
 
 
-def _torch_stats(z, y_chunk, want_probs):
-    """logp [C], lse [C], and softmax(z) [C, V] if asked, from fp32 logits z [C, V]."""
-    lse = torch.logsumexp(z, dim=-1)                                   # [C]
-    logp = z.gather(1, y_chunk[:, None]).squeeze(1) - lse              # [C]
-    probs = (z - lse[:, None]).exp_() if want_probs else None          # [C, V]
-    return logp, lse, probs
+def _torch_softmax_stats(z, y_chunk, want_entropy, want_probs):
+    """logp [C], lse [C], entropy [C] or None, softmax(z) [C, V] or None, from fp32 logits z.
+
+    z [C, V] is overwritten: each elementwise pass over a [C, V] block costs memory traffic,
+    so we make as few as we can and allocate a second block only for the entropy.
+    """
+    z_target = z.gather(1, y_chunk[:, None]).squeeze(1)               # [C]
+    row_max = z.amax(dim=-1, keepdim=True)                            # [C, 1]
+    z.sub_(row_max)                                                   # z - m <= 0: exp is safe
+    if want_entropy:
+        # sum_v p_v z_v needs z and exp(z) side by side: the one extra block
+        e = z.exp()
+        sumexp = e.sum(dim=-1)
+        entropy = torch.log(sumexp) - torch.linalg.vecdot(e, z) / sumexp   # = lse - sum p z
+    else:
+        e = z.exp_()
+        sumexp = e.sum(dim=-1)
+        entropy = None
+    lse = row_max.squeeze(1) + torch.log(sumexp)
+    probs = e.div_(sumexp[:, None]) if want_probs else None
+    return z_target - lse, lse, entropy, probs
 
 
 def _probs_to_logit_grad(probs, y_chunk, dlogp, temperature, dtype):
@@ -176,8 +223,7 @@ def _chunk_stats(x_chunk, weight, y_chunk, temperature, want_entropy, backend):
         logp, lse, entropy = triton_logprobs.softmax_stats(x_chunk, weight, y_chunk, temperature)
         return logp, lse, (entropy if want_entropy else None)
     z = _chunk_logits(x_chunk, weight, temperature)
-    logp, lse, probs = _torch_stats(z, y_chunk, want_entropy)
-    entropy = lse - torch.linalg.vecdot(probs, z) if want_entropy else None
+    logp, lse, entropy, _ = _torch_softmax_stats(z, y_chunk, want_entropy, want_probs=False)
     return logp, lse, entropy
 
 
@@ -203,7 +249,7 @@ class _GradAccumulator:
         if self.dx is not None:
             self.dx[rows] = grad_chunk @ self.weight                   # [C, H]
         if self.dw is not None:
-            self.dw += grad_chunk.T @ x_chunk                          # [V, H]
+            _addmm_fp32_(self.dw, grad_chunk.T, x_chunk)               # [V, H]
 
     def result(self):
         return self.dx, (self.dw.to(self.weight.dtype) if self.dw is not None else None)
@@ -276,9 +322,9 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
             if backend == "torch":
                 # one logits matmul serves the statistics and the gradient
                 z = _chunk_logits(x_c, weight, temperature)            # [C, V] fp32
-                lp, lse, probs = _torch_stats(z, y_c, want_probs=True)
+                lp, _, ent, probs = _torch_softmax_stats(z, y_c, want_entropy, want_probs=True)
                 if want_entropy:
-                    entropy[rows] = lse - torch.linalg.vecdot(probs, z)
+                    entropy[rows] = ent
                 del z
             else:
                 lp, lse, ent = _chunk_stats(x_c, weight, y_c, temperature, want_entropy, backend)

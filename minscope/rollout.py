@@ -47,6 +47,7 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
     distribution softmax(logits / temperature) (the greedy token's under temperature 1).
     """
     device = model_device(model)
+    model.eval()          # generation is inference (and peft's per-row adapters require it)
     B, T = len(prompts), max(len(p) for p in prompts)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     attention = torch.zeros((B, T), dtype=torch.long)
@@ -128,11 +129,11 @@ class Stream:
         self.logp += [0.0] * len(new)
         self.text = rendered
 
-    def extend_sampled(self, tokenizer, ids: list[int], logp: list[float]):
+    def extend_sampled(self, ids: list[int], logp: list[float], text: str):
         self.ids += ids
         self.mask += [1] * len(ids)
         self.logp += logp
-        self.text += tokenizer.decode(ids, skip_special_tokens=False)
+        self.text += text
 
 
 def eos_token_ids(tokenizer, model=None) -> set[int]:
@@ -199,9 +200,12 @@ class LMSpeaker:
             ids, logps = sample(self.model, prompts, adapter_names=[n or "__base__" for n in names], **kwargs)
         texts = []
         for stream, gen, lp in zip(streams, ids, logps):
-            stream.extend_sampled(self.tokenizer, gen, lp)
-            content = gen[:-1] if gen and gen[-1] in self.eos else gen
-            texts.append(self.tokenizer.decode(content, skip_special_tokens=True))
+            ended = bool(gen) and gen[-1] in self.eos
+            # The turn's text is decoded exactly as the template will show it later, so the
+            # next prompt extends this stream instead of re-tokenizing it.
+            text = self.tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=False)
+            stream.extend_sampled(gen, lp, text + (self.tokenizer.decode(gen[-1:]) if ended else ""))
+            texts.append(text)
         return texts, ids, logps
 
     def respond(self, episodes: list[Episode], env) -> list[Turn]:

@@ -101,7 +101,7 @@ def _softmax_stats_kernel(x_ptr, w_ptr, y_ptr, max_ptr, sumexp_ptr, sumexpz_ptr,
         m_new = tl.maximum(m, tl.max(z, axis=1))
         rescale = tl.exp(m - m_new)                                   # 0 on the first tile
         p = tl.exp(z - m_new[:, None])                                # 0 on padded columns
-        s = s + tl.sum(p, axis=1)
+        s = s * rescale + tl.sum(p, axis=1)
         t = t * rescale + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)
         is_target = cols[None, :] == y[:, None]
         z_target += tl.sum(tl.where(is_target, z, 0.0), axis=1)
@@ -152,6 +152,11 @@ def _dot_flags(dtype: torch.dtype):
     return dtype != torch.float32 and _interpreting(), dtype == torch.float32
 
 
+def _unit_stride(t):
+    """The kernels index rows by stride(0) and assume consecutive elements along H."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def kernel_config(device: torch.device, dtype: torch.dtype) -> dict:
     """Tile sizes and launch settings for `device` (any key can be overridden by callers)."""
     # fp32 tiles take twice the bytes: halve the H step to keep shared memory per stage
@@ -183,6 +188,7 @@ def softmax_stats(hidden, weight, targets, temperature: float = 1.0, v_splits: i
     targets [N] int64 ids in [0, V). `config` overrides entries of `kernel_config`.
     """
     cfg = {**kernel_config(hidden.device, hidden.dtype), **(config or {})}
+    hidden, weight, targets = _unit_stride(hidden), _unit_stride(weight), targets.contiguous()
     n, h = hidden.shape
     v = weight.shape[0]
     splits = v_splits or _vocab_splits(n, v, hidden.device, cfg["block_n"], cfg["block_v"])
@@ -218,6 +224,7 @@ def logit_grad(hidden, weight, targets, lse, dlogp, temperature: float = 1.0,
     The caller forms dx = G @ weight and dW = G.T @ hidden.
     """
     cfg = {**kernel_config(hidden.device, hidden.dtype), **(config or {})}
+    hidden, weight, targets = _unit_stride(hidden), _unit_stride(weight), targets.contiguous()
     n, h = hidden.shape
     v = weight.shape[0]
     grad = torch.empty(n, v, dtype=hidden.dtype, device=hidden.device)

@@ -31,6 +31,7 @@ users must act on their own device, i.e. telecom, are not supported).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from copy import deepcopy
@@ -63,8 +64,6 @@ AGENT_INSTRUCTION = (
 
 def load_tau2(verbose: bool = False) -> SimpleNamespace:
     """Import the official tau2 modules minscope uses, or say how to install them."""
-    import importlib
-
     try:
         from loguru import logger
         if not verbose:   # tau2 logs every tool response at DEBUG level to stderr
@@ -130,7 +129,6 @@ class Tau2Env(Environment):
         self.user_guidelines = guidelines_path.read_text()
         self._db_text = (self.domain_dir / "db.json").read_text()   # parsed fresh per env
         db_mod, db_cls, tools_mod, tools_cls = DOMAINS[domain]
-        import importlib
         self._db_class = getattr(importlib.import_module(db_mod), db_cls)
         self._tools_class = getattr(importlib.import_module(tools_mod), tools_cls)
         raw_tasks = json.loads((self.domain_dir / "tasks.json").read_text())
@@ -289,10 +287,10 @@ class Tau2Env(Environment):
             if turn.role == "partner":
                 messages.append(t2.UserMessage(role="user", content=turn.text))
             elif turn.role == "agent":
-                calls = turn.meta.get("tool_calls")
+                calls = turn.meta.get("tool_calls")   # set by after_turn on tool-call turns
                 if calls is None:
                     messages.append(t2.AssistantMessage(role="assistant", content=turn.text))
-                elif calls:     # only malformed calls: nothing reached the environment
+                elif calls:     # (empty: only malformed calls, nothing reached the environment)
                     messages.append(t2.AssistantMessage(role="assistant", tool_calls=[
                         t2.ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"])
                         for c in calls]))

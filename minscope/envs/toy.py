@@ -1,35 +1,48 @@
 """Toy persuasion: a small explicit model of "real users" with exact reference values.
 
-A persuader (the policy) has `n_turns` short turns to get a donation of up to 2 dollars from
-a persuadee. The persuadee population is an explicit stochastic model, so every policy can
-be valued exactly, and the ceilings every report shows are computed, not estimated.
+A persuader (the policy) has `n_turns` (3) short turns to get a donation of up to 2 dollars
+from a persuadee. The persuadee population is an explicit stochastic model, so any policy
+can be valued exactly, and the ceilings every report shows are computed, not estimated.
 
-The world, in one screen:
-  - 4 persona types (the tasks). Each has one KEY strategy that persuades it. The simulator
-    is told the persona; the policy is not (as in P4G).
-  - 7 persuader acts, each a fixed short utterance: a probe, 4 strategies, a small ask
-    (1 dollar) and a big ask (2 dollars). Any other text is the act "invalid".
-  - 17 persuadee replies, each a fixed short utterance whose FIRST WORD is unique, so that
-    sharpening an LM's first token is sharpening the reply distribution.
-  - The probe reveals the persona with `cue_rate` (split over two phrasings), otherwise a
-    bland "hmm hard to say" (the single most likely reply) or another persona's cue (noise).
-  - The matched strategy usually persuades ("wow ..."); a mismatched one is sometimes
-    resented ("stop ..."). A resentful user refuses asks. A persuaded one gives 2 dollars.
-  - Pressure: an unpersuaded user asked for 2 dollars usually hesitates ("maybe later");
-    asked again, gives in with `pressure_yes` (> 1/2) and refuses otherwise. Asking again
-    after a pledge risks a retraction.
-  - Reward = last stated donation / 2 ("no thanks" states 0; none stated = 0).
+  - 4 persona types are the tasks; persona i is won over by strategy i only. The simulator
+    is told the persona, the policy is not (as in P4G).
+  - 7 persuader acts, each a fixed short utterance (ACTS); any other text is "invalid".
+  - 21 persuadee replies (REPLIES), each with a unique FIRST WORD, so that sharpening an
+    LM's first token is sharpening the reply distribution.
+  - Reward = last stated donation / 2: "yes i give 2 dollars" 1, "sure i give 1 dollar" 0.5,
+    "no thanks" 0 (it states 0), nothing stated 0.
 
-Why this shape (see docs/TOY_NOTES.md): the probe's information is SPREAD over several
-phrasings, each less likely than the bland reply; pushback is always a minority reply.
-Gamma-sharpening (`sharpened`) therefore deletes both: the sharpened users never reveal
-their persona and never resent pressure, so inside them "ask big twice" beats everything,
-while on the real users it is worth little; the real users pay well for probing and
-then using the matched strategy (the adaptive ceiling), clearly above any fixed sequence.
+Mood, read off the history: resentful (said "stop..." or "no thanks" before), persuaded
+(said "wow..."), warm (was probed), pledged (stated 1 or 2 dollars), hesitations (number of
+"maybe later"). Reply probabilities (first matching row wins):
+
+  act        condition          replies
+  invalid    -                  what do you mean .75 | stop pushing me .25
+  probe      resentful          stop .6 | hmm hard to say .4
+  probe      -                  own 3 cues .2 each | hmm hard to say .3 | 9 other cues .1 total
+  strategy   resentful          stop .7 | okay i see .3
+  strategy   pledged            okay .6 | no thanks .4        (lecturing a donor: retraction)
+  strategy   persuaded          okay .75 | stop .25
+  strategy   matched            wow that moves me .95 warm / .6 cold | okay rest
+  strategy   mismatched         okay .65 | stop .35
+  ask        resentful          no .9 | maybe .1 (big);  no .85 | sure .15 (small)
+  ask        pledged            the same pledge .55 | no .45
+  small ask  persuaded          sure .6 | yes .4
+  small ask  warm / cold        sure .6 | maybe .25 | no .15  /  maybe .5 | no .35 | sure .15
+  big ask    persuaded          yes .9 | sure .07 | no .03
+  big ask    0 / 1 / 2+ maybes  maybe .5 | no .35 | yes .15  /  maybe .6 | no .4  /  yes .6 | no .4
+
+Why this shape (docs/TOY_NOTES.md): the probe's information is SPREAD over three
+phrasings, each less likely than the bland reply, and pushback is always a minority reply.
+Gamma-sharpening (`sharpened`) deletes both: the sharpened users never name what they care
+about and never resent pressure, so inside them asking three times ("big ask x3", the
+exploit, 0.88 at gamma 8) beats everything, while real users give it 0.23. Real users pay
+for probing and then using the matched strategy (best adaptive 0.68), far above the best
+fixed sequence (0.34): the headroom a method better than Verbalized Sampling needs.
 
 Histories are tuples of utterance strings, agent first, alternating: a policy sees an
 even-length history (ending with a reply, or empty) and a reply distribution is asked for
-an odd-length one (ending with the agent's act).
+an odd-length one (ending with the agent's utterance).
 """
 
 from __future__ import annotations
@@ -57,7 +70,7 @@ ACT_KEYS = tuple(ACTS)
 STRATEGIES = ("emotion", "evidence", "social", "benefit")
 INVALID = "invalid"
 
-# Persona i's key strategy is STRATEGIES[i]; its two cue phrasings name what it cares about.
+# Persona i's key strategy is STRATEGIES[i]; its three cue phrasings name what it cares about.
 PERSONAS = ("the empath", "the analyst", "the joiner", "the saver")
 CUES = (("kids in need move me", "feelings guide me", "sad stories touch me"),
         ("data convinces me", "proof matters to me", "numbers never lie"),
@@ -73,8 +86,7 @@ SURE1 = "sure i give 1 dollar"
 MAYBE = "maybe later"
 NO = "no thanks"
 WHAT = "what do you mean"            # reply to text that is not an act
-REPLIES = (BLAND, *[c for pair in CUES for c in pair], WOW, OKAY, STOP, YES2, SURE1, MAYBE, NO, WHAT)
-STATED = {YES2: 2.0, SURE1: 1.0, NO: 0.0}   # replies that state a donation
+REPLIES = (BLAND, *[c for cues in CUES for c in cues], WOW, OKAY, STOP, YES2, SURE1, MAYBE, NO, WHAT)
 RESENTFUL = (STOP, NO)
 
 
@@ -161,13 +173,22 @@ def sharpened(reply_dist, gamma: float):
 class World:
     """The real-user population and exact values of policies against any reply model.
 
-    Variants (for the held-out panel) are one line, e.g. `World(cue_rate=0.6)` or
+    persona_mix         how often each persona occurs (tasks are weighted by it in values)
+    cue_rate            P(a probe names the persona's concern), split over its 3 phrasings
+    cue_noise           P(a probe names another persona's concern); the rest is "hmm ..."
+    persuade_rate       P(matched strategy persuades) when not probed first ...
+    warm_persuade_rate  ... and after a probe
+    lecture_pushback    P(a mismatched strategy is resented)
+    pressure_yes        P(giving 2 dollars when asked after hesitating twice)
+
+    Variants (for the held-out panel) are one line, e.g. `World(cue_rate=0.7)` (cues become
+    the mode, so even its sharpened users reveal them) or
     `World(persona_mix=(0.55, 0.15, 0.15, 0.15))`.
     """
 
     def __init__(self, persona_mix=None, cue_rate: float = 0.6, cue_noise: float = 0.1,
-                 persuade_rate: float = 0.85, lecture_pushback: float = 0.35,
-                 pressure_yes: float = 0.6, n_turns: int = 3):
+                 persuade_rate: float = 0.6, warm_persuade_rate: float = 0.95,
+                 lecture_pushback: float = 0.35, pressure_yes: float = 0.6, n_turns: int = 3):
         mix = np.full(len(PERSONAS), 1.0 / len(PERSONAS)) if persona_mix is None else np.asarray(persona_mix, float)
         if mix.shape != (len(PERSONAS),) or (mix < 0).any() or abs(mix.sum() - 1) > 1e-6:
             raise ValueError(f"persona_mix must be {len(PERSONAS)} probabilities summing to 1, got {persona_mix}")
@@ -175,7 +196,8 @@ class World:
             raise ValueError(f"cue_rate + cue_noise must be <= 1 (the rest is the bland reply), got {cue_rate + cue_noise}")
         self.persona_mix = mix
         self.cue_rate, self.cue_noise = cue_rate, cue_noise
-        self.persuade_rate, self.lecture_pushback = persuade_rate, lecture_pushback
+        self.persuade_rate, self.warm_persuade_rate = persuade_rate, warm_persuade_rate
+        self.lecture_pushback = lecture_pushback
         self.pressure_yes, self.n_turns = pressure_yes, n_turns
         self.tasks = [ToyTask(i, name) for i, name in enumerate(PERSONAS)]
         self._cache = {}
@@ -197,6 +219,7 @@ class World:
         resentful = any(r in RESENTFUL for r in said)
         persuaded = WOW in said
         hesitations = said.count(MAYBE)
+        warm = any(text_to_act(t) == "probe" for t in history[:-1:2])  # was asked about itself
         pledged = [r for r in said if r in (YES2, SURE1)]
         if act == INVALID:
             return {WHAT: 0.75, STOP: 0.25}
@@ -206,17 +229,20 @@ class World:
             p = {BLAND: 1.0 - self.cue_rate - self.cue_noise}
             for c in CUES[persona]:
                 p[c] = self.cue_rate / len(CUES[persona])
-            others = [c for i, pair in enumerate(CUES) if i != persona for c in pair]
+            others = [c for i, cues in enumerate(CUES) if i != persona for c in cues]
             for c in others:
                 p[c] = self.cue_noise / len(others)
             return p
         if act in STRATEGIES:
             if resentful:
                 return {STOP: 0.7, OKAY: 0.3}
+            if pledged:                 # lecturing someone who just gave: may take it back
+                return {OKAY: 0.6, NO: 0.4}
             if persuaded:               # lecturing someone already won over grates
                 return {OKAY: 0.75, STOP: 0.25}
             if STRATEGIES.index(act) == persona:
-                return {WOW: self.persuade_rate, OKAY: 1 - self.persuade_rate}
+                rate = self.warm_persuade_rate if warm else self.persuade_rate
+                return {WOW: rate, OKAY: 1 - rate}
             return {OKAY: 1 - self.lecture_pushback, STOP: self.lecture_pushback}
         # an ask
         if resentful:
@@ -224,7 +250,7 @@ class World:
         if pledged:                     # asked again after a pledge: restate or retract
             return {pledged[-1]: 0.55, NO: 0.45}
         if act == "small_ask":
-            return {SURE1: 0.6, YES2: 0.4} if persuaded else {SURE1: 0.35, MAYBE: 0.35, NO: 0.3}
+            return {SURE1: 0.6, YES2: 0.4} if persuaded else ({SURE1: 0.6, MAYBE: 0.25, NO: 0.15} if warm else {MAYBE: 0.5, NO: 0.35, SURE1: 0.15})
         if persuaded:
             return {YES2: 0.9, SURE1: 0.07, NO: 0.03}
         # Pressure ladder: an unpersuaded user hesitates twice before giving in.
@@ -303,6 +329,28 @@ class World:
         uniform = {a: 1.0 / len(ACT_KEYS) for a in ACT_KEYS}
         return self.exact_value(lambda h: uniform, reply_dist)
 
+    def mean_total_variation(self, reply_dist, policy=None) -> float:
+        """Expected total variation between the real users' reply distribution and
+        `reply_dist` over the persuadee turns of episodes played by `policy` (default:
+        uniformly random acts) against the real users, averaged over personas and turns."""
+        uniform = {a: 1.0 / len(ACT_KEYS) for a in ACT_KEYS}
+        policy = policy or (lambda h: uniform)
+
+        def tv_sum(persona, history):      # sum over remaining persuadee turns of E[TV]
+            if len(history) == 2 * self.n_turns:
+                return 0.0
+            choice = policy(history)
+            acts = {choice: 1.0} if isinstance(choice, str) else choice
+            total = 0.0
+            for act, pa in acts.items():
+                h = history + (ACTS.get(act, act),)
+                real = self.reply_dist(persona, h)
+                total += pa * (total_variation(real, reply_dist(persona, h))
+                               + sum(pr * tv_sum(persona, h + (r,)) for r, pr in real.items()))
+            return total
+
+        return float(sum(w * tv_sum(i, ()) for i, w in enumerate(self.persona_mix)) / self.n_turns)
+
     # ---- data for the simulators
     def vs_target(self, persona: int, history, k: int = 5) -> list[tuple[str, float]]:
         """The Verbalized-Sampling answer a perfect simulator would give: the k most likely
@@ -343,7 +391,8 @@ class World:
             history = ()
             for _ in range(self.n_turns):
                 if policy != "behavior":
-                    act = ACTS.get(policy(history), policy(history))
+                    act = policy(history)
+                    act = ACTS.get(act, act)
                 elif style == "adaptive":
                     act = ACTS[adaptive.get(history) or "probe"] if rng.random() > 0.1 else self.behavior_act(history, rng, "uniform")
                 else:
@@ -406,6 +455,18 @@ class ToyEnv(Environment):
                 "probed": "probe" in acts}
         return min(amount / 2.0, 1.0), info
 
+    def sft_conversations(self, transcripts, role: str = "partner") -> list[list[dict]]:
+        """Chat conversations for SFT from `sample_transcripts` output, seen by `role`:
+        its own utterances are the assistant's, the other side's the user's."""
+        prompt = self.partner_messages if role == "partner" else self.agent_messages
+        out = []
+        for task, turns in transcripts:
+            msgs = list(prompt(task))
+            msgs += [{"role": "assistant" if speaker == role else "user", "content": text}
+                     for speaker, text in turns]
+            out.append(msgs)
+        return out
+
     def corpus(self):
         """Every string the game uses, for training a tokenizer."""
         prompts = [AGENT_PROMPT] + [self.partner_messages(t)[0]["content"] for t in self.world.tasks]
@@ -421,6 +482,10 @@ class RealUsers:
         self.world = world or World()
         self.reply_dist = reply_dist or self.world.reply_dist
         self.rng = np.random.default_rng(seed)
+
+    def assign(self, episodes):
+        for ep in episodes:
+            ep.partner_name = self.name
 
     def respond(self, episodes, env=None):
         out = []

@@ -1,0 +1,215 @@
+"""The toy persuasion world: its real-user model, exact values, data and environment hooks."""
+
+import numpy as np
+import pytest
+
+from minscope.envs.base import Episode, Turn
+from minscope.envs.toy import (ACT_KEYS, ACTS, CUES, INVALID, NO, PERSONAS, REPLIES, STRATEGIES,
+                               SURE1, WHAT, YES2, RealUsers, SharpenedUsers, ToyEnv, World, sharpened,
+                               text_to_act, total_variation)
+
+
+@pytest.fixture(scope="module")
+def world():
+    return World()
+
+
+def all_histories(world, depth):
+    """Every history of `depth` complete exchanges reachable under the real users."""
+    frontier = [((), p) for p in range(len(PERSONAS))]
+    for _ in range(depth):
+        nxt = []
+        for h, p in frontier:
+            for a in ACT_KEYS:
+                ha = h + (ACTS[a],)
+                nxt += [(ha + (r,), p) for r in world.reply_dist(p, ha)]
+        frontier = nxt
+    return frontier
+
+
+def fixed(seq):
+    return lambda h: seq[len(h) // 2]
+
+
+def play(env, partner, policy, task):
+    """One episode through the environment hooks, the way the rollout engine drives them."""
+    ep = Episode(task=task, group=0)
+    speaker = env.first_speaker(task)
+    while speaker is not None:
+        if speaker == "agent":
+            ep.turns.append(Turn("agent", ACTS[policy(tuple(t.text for t in ep.turns))]))
+        else:
+            ep.turns += partner.respond([ep], env)
+        speaker = env.after_turn(ep).next_speaker
+    return ep
+
+
+def test_reply_distributions_sum_to_one(world):
+    for h, p in all_histories(world, 2):
+        for a in ACT_KEYS:
+            dist = world.reply_dist(p, h + (ACTS[a],))
+            assert abs(sum(dist.values()) - 1) < 1e-9
+            assert set(dist) <= set(REPLIES)
+
+
+def test_reply_first_words_are_unique():
+    first = [r.split()[0] for r in REPLIES]
+    assert len(set(first)) == len(first)
+    assert not any(a != b and b.startswith(a) for a in first for b in first)
+
+
+def test_text_to_act_normalises_and_rejects_garbled_text():
+    assert text_to_act("  What matters to you ") == "probe"
+    assert text_to_act("WOULD YOU GIVE 2 DOLLARS") == "big_ask"
+    assert text_to_act("give 2 dollars please") == INVALID
+    assert text_to_act("") == INVALID
+
+
+def test_invalid_act_gets_a_confused_reply(world):
+    dist = world.reply_dist(0, ("blah blah",))
+    assert max(dist, key=dist.get) == WHAT
+    assert world.exact_value(lambda h: "invalid") == 0.0
+
+
+def test_exact_value_matches_monte_carlo_with_real_users(world):
+    env, users = ToyEnv(world), RealUsers(world, seed=1)
+    policy = fixed(("probe", "emotion", "big_ask"))
+    rewards = [env.score(play(env, users, policy, task))[0]
+               for task in world.tasks for _ in range(1000)]
+    assert abs(np.mean(rewards) - world.exact_value(policy)) < 0.03
+
+
+def test_reference_values_are_ordered_with_headroom(world):
+    v_random = world.random_value()
+    v_fixed, _ = world.best_fixed()
+    v_adaptive, table = world.best_adaptive()
+    assert v_adaptive > v_fixed + 0.15 > v_random + 0.15
+    assert table[()] == "probe"
+
+
+def test_best_adaptive_answers_each_cue_with_its_strategy(world):
+    _, table = world.best_adaptive()
+    for persona, cues in enumerate(CUES):
+        for cue in cues:
+            assert table[(ACTS["probe"], cue)] == STRATEGIES[persona]
+
+
+def test_exploit_wins_inside_sharpened_users_but_loses_on_real_users(world):
+    sharp = sharpened(world.reply_dist, 8.0)
+    _, adaptive_table = world.best_adaptive()
+    adaptive = lambda h: adaptive_table[h]  # noqa: E731
+    exploit = fixed(("big_ask",) * 3)
+    assert world.exact_value(exploit, sharp) > world.exact_value(adaptive, sharp) + 0.15
+    assert world.exact_value(exploit) < world.exact_value(adaptive) - 0.3
+    assert world.best_fixed(sharp)[1] == ("big_ask",) * 3
+
+
+def test_pushback_against_the_exploit_is_a_minority_reply(world):
+    h = ()
+    for _ in range(3):
+        h = h + (ACTS["big_ask"],)
+        dist = world.reply_dist(0, h)
+        assert dist.get(NO, 0.0) < 0.5
+        h = h + (max(dist, key=dist.get),)
+
+
+def test_sharpening_keeps_the_mode_and_gamma_one_is_identity(world):
+    h = (ACTS["probe"],)
+    p = world.reply_dist(1, h)
+    assert total_variation(sharpened(world.reply_dist, 1.0)(1, h), p) < 1e-12
+    s = sharpened(world.reply_dist, 8.0)(1, h)
+    assert max(s, key=s.get) == max(p, key=p.get) and max(s.values()) > 0.85
+
+
+def test_vs_target_is_top_k_renormalised(world):
+    h = (ACTS["probe"],)
+    cands = world.vs_target(2, h, k=5)
+    probs = [q for _, q in cands]
+    assert len(cands) == 5 and abs(sum(probs) - 1) < 1e-9 and probs == sorted(probs, reverse=True)
+    true = world.reply_dist(2, h)
+    top = sorted(true.values(), reverse=True)[:5]
+    assert np.allclose(probs, np.array(top) / sum(top))
+
+
+def test_total_variation():
+    assert total_variation({"a": 1.0}, {"b": 1.0}) == 1.0
+    assert total_variation({"a": 0.5, "b": 0.5}, {"a": 0.5, "b": 0.5}) == 0.0
+    assert abs(total_variation({"a": 0.7, "b": 0.3}, {"a": 0.5, "b": 0.5}) - 0.2) < 1e-12
+
+
+def test_score_reads_the_last_stated_donation():
+    env = ToyEnv()
+    task = env.tasks()[0]
+    ep = Episode(task, 0, [Turn("agent", "would you give 2 dollars?"), Turn("partner", YES2),
+                           Turn("agent", "uh what"), Turn("partner", WHAT),
+                           Turn("agent", "would you give 1 dollar"), Turn("partner", SURE1)])
+    reward, info = env.score(ep)
+    assert reward == 0.5 and info["donation"] == 1.0
+    assert info["acts"] == ["big_ask", INVALID, "small_ask"] and info["n_invalid"] == 1
+    ep.turns.append(Turn("partner", NO))
+    assert env.score(ep)[0] == 0.0
+    assert env.score(Episode(task, 0, [Turn("agent", "hi"), Turn("partner", "maybe later")]))[0] == 0.0
+
+
+def test_episode_ends_after_the_last_act_is_answered():
+    env = ToyEnv()
+    ep = play(env, RealUsers(seed=0), lambda h: "probe", env.tasks()[0])
+    assert [t.role for t in ep.turns] == ["agent", "partner"] * env.world.n_turns
+
+
+def test_partner_is_told_the_persona_and_agent_is_not():
+    env = ToyEnv()
+    for task in env.tasks():
+        assert task.name in env.partner_messages(task)[0]["content"]
+        assert not any(name in env.agent_messages(task)[0]["content"] for name in PERSONAS)
+
+
+def test_real_users_are_reproducible_by_seed():
+    env = ToyEnv()
+    eps = [Episode(t, 0, [Turn("agent", ACTS["probe"])]) for t in env.tasks() * 5]
+    a = [t.text for t in RealUsers(seed=3).respond(eps, env)]
+    b = [t.text for t in RealUsers(seed=3).respond(eps, env)]
+    assert a == b and len(set(a)) > 1
+
+
+def test_sharpened_users_mostly_give_the_modal_reply():
+    env = ToyEnv()
+    eps = [Episode(env.tasks()[0], 0, [Turn("agent", ACTS["big_ask"])]) for _ in range(200)]
+    replies = [t.text for t in SharpenedUsers(8.0, seed=0).respond(eps, env)]
+    assert replies.count("maybe later") > 180
+
+
+def test_transcripts_cover_the_exploit_histories():
+    data = World().sample_transcripts(600, np.random.default_rng(0))
+    exploit = (ACTS["big_ask"],) * 3
+    n = sum(tuple(u for s, u in turns if s == "agent") == exploit for _, turns in data)
+    assert n >= 20  # about 6% of episodes; a uniform behaviour policy would give 0.3%
+    assert all([s for s, _ in turns] == ["agent", "partner"] * 3 for _, turns in data)
+    assert any(text_to_act(u) == INVALID for _, turns in data for s, u in turns if s == "agent")
+
+
+def test_world_variants_are_one_line_and_validated():
+    probe = (ACTS["probe"],)
+    assert World(cue_rate=0.7).reply_dist(0, probe)[CUES[0][0]] > World().reply_dist(0, probe)[CUES[0][0]]
+    skewed = World(persona_mix=(0.7, 0.1, 0.1, 0.1))
+    per_persona = skewed.exact_value(lambda h: "emotion", per_persona=True)
+    assert abs(skewed.exact_value(lambda h: "emotion") - per_persona @ skewed.persona_mix) < 1e-12
+    with pytest.raises(ValueError, match="persona_mix"):
+        World(persona_mix=(0.5, 0.5))
+
+
+def test_mean_total_variation_is_zero_for_the_real_users_and_grows_with_gamma(world):
+    assert world.mean_total_variation(world.reply_dist) < 1e-12
+    tv4 = world.mean_total_variation(sharpened(world.reply_dist, 4.0))
+    tv8 = world.mean_total_variation(sharpened(world.reply_dist, 8.0))
+    assert 0 < tv4 < tv8 < 1
+
+
+def test_sft_conversations_give_the_simulator_the_persona_and_its_own_replies():
+    env = ToyEnv()
+    data = env.world.sample_transcripts(3, np.random.default_rng(0))
+    convs = env.sft_conversations(data, role="partner")
+    for (task, turns), msgs in zip(data, convs):
+        assert task.name in msgs[0]["content"] and msgs[0]["role"] == "system"
+        assert [m["role"] for m in msgs[1:]] == ["user", "assistant"] * env.world.n_turns
+        assert [m["content"] for m in msgs[2::2]] == [u for s, u in turns if s == "partner"]
