@@ -57,7 +57,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/logprobs.py
+from minscope import grpo, logprobs  # noqa: E402
 
 METHODS = ["naive", "torch", "triton", "grpo-torch", "grpo-triton", "trl", "liger-grpo"]
 CUDA_ONLY = {"triton", "grpo-triton"}
@@ -92,6 +93,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch sees no CUDA device; use --device cpu")
     cuda = args.device == "cuda"
     args.shapes = args.shapes or (["16384x2048", "4096x1024"] if cuda else ["1024x1024"])
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
@@ -131,16 +134,17 @@ def reference(inp, temperature, rows=1024):
     dh = torch.empty_like(h32)
     for s in range(0, n, rows):
         x = h32[s:s + rows].clone().requires_grad_(True)
-        lp = torch.log_softmax(x @ w32.T / temperature, -1).gather(1, inp["targets"][s:s + rows, None]).squeeze(1)
+        y = inp["targets"][s:s + rows, None]
+        lp = torch.log_softmax(x @ w32.T / temperature, -1).gather(1, y).squeeze(1)
         (dh[s:s + rows],) = torch.autograd.grad((inp["cot"][s:s + rows] * lp).sum(), x)
         logp[s:s + rows] = lp.detach()
     old, ref = grpo_side_inputs(inp, logp)
-    from minscope import grpo
     loss = torch.zeros((), device=h32.device)
     dh_grpo = torch.empty_like(h32)
     for s in range(0, n, rows):
         x = h32[s:s + rows].clone().requires_grad_(True)
-        lp = torch.log_softmax(x @ w32.T / temperature, -1).gather(1, inp["targets"][s:s + rows, None]).squeeze(1)
+        y = inp["targets"][s:s + rows, None]
+        lp = torch.log_softmax(x @ w32.T / temperature, -1).gather(1, y).squeeze(1)
         per_token, _, _ = grpo.token_loss(lp, old[s:s + rows], ref[s:s + rows],
                                           inp["advantages"][s:s + rows], EPS_LOW, EPS_HIGH, BETA)
         chunk_loss = per_token.sum() / n
@@ -152,8 +156,6 @@ def reference(inp, temperature, rows=1024):
 # ----------------------------------------------------------------------------- methods
 def build_method(name, inp, ref, args):
     """A closure running forward + backward; returns (logp or None, loss or None, dh)."""
-    from minscope import logprobs
-
     h, w, y, T = inp["hidden"], inp["weight"], inp["targets"], args.temperature
     n = h.shape[0]
     token_weights = torch.full((n,), 1.0 / n, device=h.device)
@@ -345,7 +347,8 @@ def main(argv=None):
             if err:
                 print(f"reference failed: {err}")
                 continue
-            print(f"{'method':<12} {'time':>10} {'extra peak':>11} {'max|dlogp|':>11} {'max|dgrad|':>11}  gradient of")
+            print(f"{'method':<12} {'time':>10} {'extra peak':>11} {'max|dlogp|':>11} "
+                  f"{'max|dgrad|':>11}  gradient of")
             for method in args.methods:
                 why = unavailable(method, args)
                 res, err = (None, why) if why else run_subprocess(

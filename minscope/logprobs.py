@@ -290,6 +290,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             g = _chunk_logit_grad(x[rows], weight, targets[rows], lse[rows], grad_logp[rows],
                                   temperature, backend)
             grads.add(rows, x[rows], g)
+            del g           # free this chunk's [C, V] block before the next one is made
         dx, dw = grads.result()
         return dx, dw, None, None, None, None, None
 
@@ -341,6 +342,8 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
                 else:
                     g = _chunk_logit_grad(x_c, weight, y_c, lse, dlogp, temperature, backend)
                 grads.add(rows, x_c, g)
+                del g
+            probs = None    # free this chunk's [C, V] block before the next one is made
         dx, dw = grads.result()
         ctx.save_for_backward(dx, dw)
         ctx.mark_non_differentiable(*([logp, entropy] if want_entropy else [logp]))

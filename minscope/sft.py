@@ -18,17 +18,21 @@ from .models import final_hidden_states, output_embedding
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids of a conversation and a mask that is 1 on assistant content + end token."""
+    """Token ids of a conversation and a mask that is 1 on assistant content + end token.
+
+    An assistant message with `"train": False` is context only (mask 0)."""
     ids, mask, done = [], [], ""
+    clean = [{"role": m["role"], "content": m["content"]} for m in messages]
     for j, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        prompt = tokenizer.apply_chat_template(messages[:j], tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(messages[:j + 1], tokenize=False)
+        prompt = tokenizer.apply_chat_template(clean[:j], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(clean[:j + 1], tokenize=False)
         head, answer = prompt[len(done):], full[len(prompt):]
         # train on the content and the end-of-turn token, not on the newline after it
         body = answer.rstrip("\n")
-        for text, m in ((head, 0), (body, 1), (answer[len(body):], 0)):
+        train = int(msg.get("train", True))
+        for text, m in ((head, 0), (body, train), (answer[len(body):], 0)):
             if text:
                 t = tokenizer(text, add_special_tokens=False)["input_ids"]
                 ids += t
@@ -59,7 +63,9 @@ def sft(model, tokenizer, conversations: list[list[dict]], steps: int = 300, bat
         lr: float = 3e-3, seed: int = 0, desc: str = "sft", progress: bool = True) -> list[float]:
     """Train all trainable parameters of `model` on the assistant turns. Returns losses."""
     rng = random.Random(seed)
-    encoded = [encode_chat(tokenizer, c) for c in conversations]
+    encoded = sorted((encode_chat(tokenizer, c) for c in conversations), key=lambda e: len(e[0]))
+    # Batches of similar length (a random window of the length-sorted data): little padding.
+    n_windows = max(1, len(encoded) - batch_size + 1)
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -68,7 +74,8 @@ def sft(model, tokenizer, conversations: list[list[dict]], steps: int = 300, bat
     losses = []
     bar = tqdm(range(steps), desc=desc, leave=False, disable=not progress)
     for _ in bar:
-        rows = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+        start = rng.randrange(n_windows)
+        rows = encoded[start:start + batch_size]
         ids, attn, mask = (t.to(device) for t in pad_batch(rows, tokenizer.pad_token_id))
         loss = nll(model, ids, attn, mask)
         opt.zero_grad(set_to_none=True)

@@ -66,7 +66,7 @@ class Verbalized:
                 break
             if attempt:
                 for i in todo:   # regenerate from the same history: rewind the stream
-                    episodes[i].info["streams"].pop("partner", None)
+                    episodes[i].info.get("streams", {}).pop("partner", None)
             texts, ids, _ = self.speaker.generate([episodes[i] for i in todo], env)
             failed = []
             for i, text, tok in zip(todo, texts, ids):

@@ -30,9 +30,11 @@ Two kernels:
   gets away with it because its head dim is <= 256). So the backward holds one [chunk, V]
   tile of G in the input dtype; `logprobs` walks the rows chunk by chunk.
 
-Tile sizes come from `kernel_config`: ordinary bf16 GEMM tiles (128 x 128 output tiles
-where shared memory allows, as on Hopper; 64 x 128 on consumer GPUs with ~100 KB per
-block). They have not been tuned on hardware.
+Tile sizes come from `tile_config`: ordinary bf16 GEMM tiles (128 x 128 output tiles
+where shared memory allows, as on Hopper and A100; 64 x 128 on consumer GPUs with
+~100 KB per block), 3 pipeline stages. The tests compile both kernels ahead of time for
+sm_86 and sm_90 (no GPU needed) and check that they use tensor-core MMAs and fit in
+shared memory; the sizes have not been tuned on hardware.
 
 Under TRITON_INTERPRET=1 (CPU tests) the interpreter cannot multiply bfloat16 tiles (it
 stores them as raw uint16), so there the tiles are upcast to float32 before `tl.dot`.
@@ -157,18 +159,22 @@ def _unit_stride(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def tile_config(shared_memory_bytes: int, dtype: torch.dtype) -> dict:
+    """Tile sizes and launch settings for a GPU with this much shared memory per block."""
+    # 3 pipeline stages of [BLOCK_N, BLOCK_H] + [BLOCK_V, BLOCK_H] tiles live in shared
+    # memory: 128 rows need ~96 KB (Hopper: 227 KB, A100: 163 KB), 64 rows ~48 KB, which
+    # also fits the ~100 KB of consumer GPUs. fp32 tiles take twice the bytes per element,
+    # so they step through H half as far.
+    return dict(block_n=128 if shared_memory_bytes >= 160 * 1024 else 64, block_v=128,
+                block_h=32 if dtype == torch.float32 else 64, num_warps=8, num_stages=3)
+
+
 def kernel_config(device: torch.device, dtype: torch.dtype) -> dict:
-    """Tile sizes and launch settings for `device` (any key can be overridden by callers)."""
-    # fp32 tiles take twice the bytes: halve the H step to keep shared memory per stage
-    config = dict(block_n=64, block_v=128, block_h=32 if dtype == torch.float32 else 64,
-                  num_warps=8, num_stages=3)
+    """`tile_config` for `device` (the small tiles off CUDA, e.g. in the interpreter)."""
+    shared = 0
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        # 3 stages of 128x64 + 128x64 bf16 tiles need ~96 KB of shared memory plus the
-        # epilogue's scratch: fine on Hopper (227 KB), too much for ~100 KB consumer GPUs.
-        if getattr(props, "shared_memory_per_block_optin", 0) >= 160 * 1024:
-            config["block_n"] = 128
-    return config
+        shared = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+    return tile_config(shared, dtype)
 
 
 def _vocab_splits(n_rows: int, n_vocab: int, device: torch.device, block_n: int, block_v: int) -> int:

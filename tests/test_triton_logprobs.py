@@ -1,14 +1,23 @@
-"""The Triton kernels agree with the torch path (run on CPU in the Triton interpreter).
+"""The Triton kernels agree with the torch path, and compile for real GPUs.
 
-The interpreter has to be switched on (TRITON_INTERPRET=1) before Triton is imported, and
-the other test files in the same pytest process must not see it. So the checks run once,
-in a subprocess: this file executed as a script computes every comparison and prints a
-JSON dict of errors; the tests below each assert on their part of it. To see the numbers:
+Two kinds of checks, neither needing a GPU:
 
-    TRITON_INTERPRET=1 PYTHONPATH=. python tests/test_triton_logprobs.py
+* Numerics, in the Triton interpreter. The interpreter has to be switched on
+  (TRITON_INTERPRET=1) before Triton is imported, and the other test files in the same
+  pytest process must not see it. So the checks run once, in a subprocess: this file run
+  as a script computes every comparison and prints a JSON dict of errors; the tests below
+  each assert on their part of it. Shapes are tiny and odd (the interpreter runs each
+  program in numpy); small tiles make the kernels walk several tiles along N, V and H,
+  with ragged edges on each. To see the numbers:
 
-Shapes are tiny and odd (the interpreter runs each program in numpy); small block sizes
-make the kernels walk several tiles along N, V and H, with ragged edges on each.
+      TRITON_INTERPRET=1 PYTHONPATH=. python tests/test_triton_logprobs.py
+
+* Compilation. Triton ships its own ptxas, so the kernels can be compiled ahead of time
+  for sm_86 (consumer Ampere) and sm_90 (Hopper) on a CPU-only machine: this catches what
+  the interpreter cannot (type errors in the GPU lowering, shared memory overflow, a
+  bf16 dot falling back from tensor cores).
+
+      PYTHONPATH=. python tests/test_triton_logprobs.py compile
 """
 
 import importlib.util
@@ -113,14 +122,70 @@ def interpreter_checks() -> dict:
     return out
 
 
+# Shared memory per block (opt-in maximum) of the GPUs we compile for.
+SHARED_MEMORY = {86: 99 * 1024, 90: 227 * 1024}
+
+
+def compile_checks() -> dict:
+    """Compile both kernels for sm_86 and sm_90 with the tiles `tile_config` picks for them."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from minscope import triton_logprobs
+
+    ints = dict(N="i32", V="i32", H="i32", stride_x="i32", stride_w="i32")
+    tiles = dict(BLOCK_N="constexpr", BLOCK_V="constexpr", BLOCK_H="constexpr",
+                 DOT_FP32="constexpr", IEEE="constexpr")
+    kernels = {
+        "stats": (triton_logprobs._softmax_stats_kernel, lambda t: dict(
+            x_ptr=f"*{t}", w_ptr=f"*{t}", y_ptr="*i64", max_ptr="*fp32", sumexp_ptr="*fp32",
+            sumexpz_ptr="*fp32", target_ptr="*fp32", **ints, inv_temp="fp32", v_per_split="i32",
+            n_splits="i32", **tiles)),
+        "grad": (triton_logprobs._logit_grad_kernel, lambda t: dict(
+            x_ptr=f"*{t}", w_ptr=f"*{t}", y_ptr="*i64", lse_ptr="*fp32", dlogp_ptr="*fp32",
+            g_ptr=f"*{t}", **ints, stride_g="i32", inv_temp="fp32", **tiles)),
+    }
+    # what Triton's launcher assumes at real shapes (H, V, strides multiples of 16)
+    aligned = {"x_ptr", "w_ptr", "g_ptr", "H", "V", "stride_x", "stride_w", "stride_g", "v_per_split"}
+    out = {}
+    for arch, shared in SHARED_MEMORY.items():
+        for dtype, ttype in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            cfg = triton_logprobs.tile_config(shared, dtype)
+            for name, (kernel, signature) in kernels.items():
+                sig = signature(ttype)
+                attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(sig) if arg in aligned}
+                src = ASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=dict(
+                    BLOCK_N=cfg["block_n"], BLOCK_V=cfg["block_v"], BLOCK_H=cfg["block_h"],
+                    DOT_FP32=False, IEEE=dtype == torch.float32))
+                compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                          options=dict(num_warps=cfg["num_warps"],
+                                                       num_stages=cfg["num_stages"]))
+                out[f"sm{arch}/{ttype}/{name}/shared"] = compiled.metadata.shared
+                out[f"sm{arch}/{ttype}/{name}/mma"] = compiled.asm["ptx"].count("mma")
+    return out
+
+
+def run_script(mode: str, interpret: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, __file__, mode], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"{mode} checks failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def errors():
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script("interpret", interpret=True)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return run_script("compile", interpret=False)
 
 
 # Tolerances: fp32 paths agree to rounding. With bf16 inputs, values still use exact fp32
@@ -161,7 +226,66 @@ def test_triton_fused_grpo_matches_torch_path(errors, dtype, grad_tol):
     assert errors[f"{name}/d_weight_rel"] < grad_tol
 
 
+@pytest.mark.parametrize("arch", sorted(SHARED_MEMORY))
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("kernel", ["stats", "grad"])
+def test_kernels_compile_and_fit_in_shared_memory(compiled, arch, dtype, kernel):
+    assert 0 < compiled[f"sm{arch}/{dtype}/{kernel}/shared"] <= SHARED_MEMORY[arch]
+
+
+@pytest.mark.parametrize("arch", sorted(SHARED_MEMORY))
+@pytest.mark.parametrize("kernel", ["stats", "grad"])
+def test_bf16_kernels_use_tensor_core_mma(compiled, arch, kernel):
+    assert compiled[f"sm{arch}/bf16/{kernel}/mma"] > 0
+
+
+def test_triton_matches_torch_path_on_cuda():
+    """The real kernels on a real GPU (skipped elsewhere): values and gradients, fp32 and bf16."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from minscope.logprobs import fused_grpo_token_loss, token_logprobs
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, h, v = 301, 256, 5003                     # ragged against every tile size
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = torch.randn(n, h, device="cuda", generator=gen).to(dtype).requires_grad_(True)
+        weight = (torch.randn(v, h, device="cuda", generator=gen) / 8).to(dtype).requires_grad_(True)
+        targets = torch.randint(0, v, (n,), device="cuda", generator=gen)
+        h32 = hidden.detach().float().requires_grad_(True)
+        w32 = weight.detach().float().requires_grad_(True)
+        cot = torch.randn(n, device="cuda", generator=gen)
+        for temperature in (1.0, 0.7):
+            logp, ent = token_logprobs(hidden, weight, targets, temperature, return_entropy=True,
+                                       chunk_size=128, backend="triton")
+            ref_logp, ref_ent = token_logprobs(h32, w32, targets, temperature, return_entropy=True,
+                                               chunk_size=128, backend="torch")
+            torch.testing.assert_close(logp, ref_logp, atol=1e-3, rtol=1e-4)
+            torch.testing.assert_close(ent, ref_ent, atol=1e-3, rtol=1e-4)
+            got = torch.autograd.grad((cot * logp).sum(), (hidden, weight))
+            want = torch.autograd.grad((cot * ref_logp).sum(), (h32, w32))
+            for g, w in zip(got, want):
+                assert (g.float() - w).abs().max() <= 2e-2 * w.abs().max()
+        old = ref_logp.detach() + 0.3 * torch.randn(n, device="cuda", generator=gen)
+        adv, tw = torch.randn(n, device="cuda", generator=gen), torch.full((n,), 1.0 / n, device="cuda")
+        loss, _, _ = fused_grpo_token_loss(hidden, weight, targets, old, old, adv, tw, beta=0.1,
+                                           temperature=0.7, chunk_size=128, backend="triton")
+        ref_loss, _, _ = fused_grpo_token_loss(h32, w32, targets, old, old, adv, tw, beta=0.1,
+                                               temperature=0.7, chunk_size=128, backend="torch")
+        torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-3)
+        got = torch.autograd.grad(loss, (hidden, weight))
+        want = torch.autograd.grad(ref_loss, (h32, w32))
+        for g, w in zip(got, want):
+            assert (g.float() - w).abs().max() <= 2e-2 * w.abs().max()
+
+
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (the kernels run in the Triton interpreter on CPU)")
-    print(json.dumps(interpreter_checks()))
+    mode = sys.argv[1] if len(sys.argv) > 1 else "interpret"
+    if mode == "compile":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            sys.exit("compile checks need the real Triton: unset TRITON_INTERPRET")
+        print(json.dumps(compile_checks()))
+    else:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("run with TRITON_INTERPRET=1 (the kernels run in the Triton interpreter on CPU)")
+        print(json.dumps(interpreter_checks()))

@@ -27,6 +27,9 @@ class WordGame(Environment):
     def agent_messages(self, task):
         return [{"role": "system", "content": "answer with one word"}]
 
+    def partner_messages(self, task):
+        return [{"role": "system", "content": f"ask for the word {task}"}]
+
     def first_speaker(self, task):
         return "partner"
 
@@ -36,7 +39,7 @@ class WordGame(Environment):
 
     def corpus(self):
         """Text for training a tokenizer that covers the game."""
-        return [f"say {w}" for w in self.words] * 4 + list(self.words) * 4 + ["answer with one word"]
+        return [f"say {w}" for w in self.words] * 4 + list(self.words) * 4 + ["answer with one word", "ask for the word"]
 
     def sft_conversations(self):
         """Random answers: a policy that knows the words but not the game."""

@@ -1,0 +1,101 @@
+"""Evaluate saved runs against a simulator panel and (re)write their report.
+
+    python eval.py runs/toy                 re-evaluate every arm's saved checkpoints, rewrite report.md
+    python eval.py runs/toy --report-only   rewrite report.md / results.json / plots from metrics.jsonl
+    python eval.py runs/toy --meter         also run the collapse meter on each arm's final policy
+
+For the toy experiment each arm's final and best (by panel mean) adapters are evaluated on
+the panel: the real users, the 3 seen and the 3 unseen simulators; the results go to
+`eval.jsonl` and a section of `report.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", help="a run directory written by train.py (e.g. runs/toy)")
+    p.add_argument("--report-only", action="store_true", help="only rebuild the report from metrics.jsonl")
+    p.add_argument("--episodes", type=int, default=32, help="episodes per persona per panel member")
+    p.add_argument("--meter", action="store_true", help="also measure the collapse meter")
+    p.add_argument("--cache-dir", default=".cache/minscope", help="where the toy's tiny models are cached")
+    return p.parse_args(argv)
+
+
+def toy_reference(gamma: float) -> dict:
+    from minscope.envs.toy import World, sharpened
+
+    world = World()
+    exploit = lambda h: "big_ask"   # noqa: E731
+    return {"random": world.random_value(), "best_fixed": world.best_fixed()[0],
+            "best_adaptive": world.best_adaptive()[0], "exploit_real": world.exact_value(exploit),
+            "exploit_sharpened": world.exact_value(exploit, reply_dist=sharpened(world.reply_dist, gamma))}
+
+
+def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) -> str:
+    """Evaluate each arm's final and best checkpoints; returns a markdown section."""
+    import torch
+
+    from minscope import experiment
+    from minscope.evaluate import collapse_meter, evaluate_panel
+    from minscope.models import load_adapter_state
+    from minscope.report import fmt, label
+
+    toy = experiment.Toy(cfg, cache_dir, progress=False)
+    rows, out = [], (run_dir / "eval.jsonl").open("w")
+    for method in cfg.methods:
+        for seed in cfg.seeds:
+            arm = experiment.arm_name(method, seed)
+            for which in ("final", "best"):
+                path = run_dir / "arms" / (f"{arm}.pt" if which == "final" else f"{arm}.best.pt")
+                if not path.exists():
+                    continue
+                state = torch.load(path, weights_only=False)
+                m = toy.method(method, seed)
+                load_adapter_state(m.policy.model, "policy", state["policy"])
+                torch.manual_seed(seed)
+                res = evaluate_panel(toy.env, m.policy, toy.panel(seed), toy.env.tasks(), episodes)
+                rec = {"method": method, "seed": seed, "checkpoint": which, "step": state["step"],
+                       **{k: v["mean"] for k, v in res.items()}}
+                if meter and which == "final":
+                    rec["meter"] = collapse_meter(toy.env, m.policy, toy.frozen["sim-a"], toy.env.tasks())
+                out.write(json.dumps(rec) + "\n")
+                rows.append(rec)
+    out.close()
+    lines = ["## Re-evaluation of saved checkpoints (`python eval.py`)", "",
+             f"{episodes} episodes per persona per panel member; mean over seeds.", "",
+             "| method | checkpoint | real users | seen sims | unseen sims |", "|---|---|---|---|---|"]
+    for method in cfg.methods:
+        for which in ("final", "best"):
+            rs = [r for r in rows if r["method"] == method and r["checkpoint"] == which]
+            if rs:
+                avg = lambda k: sum(r.get(k, 0) for r in rs) / len(rs)   # noqa: E731
+                lines.append(f"| {label(method)} | {which} | {fmt(avg('real_users'))} | {fmt(avg('seen'))} | {fmt(avg('unseen'))} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").exists():
+        raise SystemExit(f"{run_dir} has no metrics.jsonl: pass a directory written by train.py")
+    config = json.loads((run_dir / "config.json").read_text())
+    if "models" not in config:
+        raise SystemExit(f"{run_dir} is a real-model run; its evaluations are in metrics.jsonl "
+                         "(every --eval-every steps) and its adapters in policy-step*/")
+    from minscope import experiment, report
+
+    models = experiment.ToyModelConfig(**config.pop("models"))
+    cfg = experiment.ToyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items()},
+                               models=models)
+    extra = "" if args.report_only else reevaluate_toy(run_dir, cfg, args.episodes, args.meter, args.cache_dir)
+    report.write_report(run_dir, toy_reference(cfg.gamma), extra_md=extra)
+    print(f"wrote {run_dir / 'report.md'}")
+
+
+if __name__ == "__main__":
+    main()

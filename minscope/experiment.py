@@ -1,0 +1,285 @@
+"""The toy experiment: every method x seed, trained and evaluated on the panel, resumable.
+
+    runs/<name>/config.json        the settings (printed at start)
+    runs/<name>/metrics.jsonl      one line per training step and per evaluation
+    runs/<name>/arms/<arm>.pt      the latest state of each arm (adapters, optimizers, RNGs)
+    runs/<name>/arms/<arm>.best.pt the adapter with the best panel score so far
+    runs/<name>/results.json, report.md, *.png     written by minscope.report
+
+Every arm saves its full state after every step (tiny models: a few hundred KB), so an
+interrupted run loses at most the step in progress, and `--resume` continues where it
+stopped. All randomness (torch, numpy, python) is restored too, so on CPU a resumed run ends
+with the same numbers as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .envs.toy import RealUsers, SharpenedUsers, ToyEnv, World
+from .evaluate import collapse_meter, evaluate_panel
+from .methods import Method, build_method, train_step
+from .models import adapter_state, add_adapters, load_adapter_state
+from .rollout import LMSpeaker
+from .simulators import Frozen, Population, Verbalized
+from .toy_models import SIMULATORS, ToyModelConfig, ToyModels
+from .trainer import UpdateConfig
+
+TOY_METHODS = ("base", "single", "vs", "ensemble", "cotrain", "population", "oracle")
+
+
+@dataclass
+class ToyConfig:
+    """Settings of the toy experiment (defaults: the headline run, ~15 min on 2 CPU cores)."""
+    name: str = "toy"
+    methods: tuple = TOY_METHODS          # "base" = the untrained policy, evaluated only
+    seeds: tuple = (0, 1, 2)
+    steps: int = 60                       # policy updates per arm
+    groups: int = 8                       # rollout groups per step (tasks = personas, cycled)
+    group_size: int = 8                   # G trajectories per group
+    gamma: float = 8.0                    # sharpening of the "aligned" simulators
+    policy_lr: float = 2e-3
+    sim_lr: float = 1e-3
+    lora_r: int = 16
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    beta: float = 0.0
+    epochs: int = 2
+    sim_reward: str = "curriculum"
+    sim_baseline: str = "batch"
+    pool_size: int = 5
+    pool_every: int = 4
+    vs_k: int = 5
+    eval_every: int = 10
+    eval_episodes: int = 16               # per persona per panel member (real users: x4)
+    meter_every: int = 30                 # collapse meter cadence (0 = off)
+    temperature: float = 1.0              # policy sampling temperature in training
+    threads: int = 0                      # torch threads (0 = torch default)
+    models: ToyModelConfig = field(default_factory=ToyModelConfig)
+
+    @classmethod
+    def quick(cls, **kw):
+        """--quick: a couple of minutes; the same code path, smaller everything."""
+        base = dict(name="toy-quick", seeds=(0,), steps=12, groups=4, eval_every=6, eval_episodes=4,
+                    meter_every=0, models=ToyModelConfig(transcripts=1500, vs_examples=600, sft_steps=200))
+        base.update(kw)
+        return cls(**base)
+
+
+def arm_name(method: str, seed: int) -> str:
+    return f"{method}-s{seed}"
+
+
+# --------------------------------------------------------------------------- set-up
+class Toy:
+    """Everything shared by the arms of one run: models, environment, evaluation panel."""
+
+    def __init__(self, cfg: ToyConfig, cache_dir, log=print, progress=True):
+        self.cfg, self.log = cfg, log
+        self.models = ToyModels(cache_dir, cfg.models, progress=progress, log=log)
+        self.tokenizer = self.models.tokenizer
+        self.env = ToyEnv()
+        self.base_model, self.sims = self.models.all()
+        t = 1.0 / cfg.gamma
+        self.frozen = {name: Frozen(model, self.tokenizer, temperature=t, max_new_tokens=12, name=name)
+                       for name, (model, kind, world) in self.sims.items()}
+
+    def panel(self, seed: int):
+        p = {"real_users": (RealUsers(seed=10_000 + seed), "real")}
+        for name, (_, kind, _) in self.sims.items():
+            p[name] = (self.frozen[name], kind)
+        return p
+
+    def policy(self):
+        model = add_adapters(copy.deepcopy(self.base_model), ["policy"], r=self.cfg.lora_r,
+                             alpha=2 * self.cfg.lora_r)
+        return LMSpeaker(model, self.tokenizer, "agent", adapter="policy",
+                         temperature=self.cfg.temperature, max_new_tokens=12, name="policy")
+
+    def method(self, name: str, seed: int) -> Method:
+        c = self.cfg
+        pcfg = UpdateConfig(lr=c.policy_lr, eps_low=c.eps_low, eps_high=c.eps_high, beta=c.beta,
+                            epochs=c.epochs, temperature=c.temperature, weight_decay=0.0)
+        scfg = UpdateConfig(lr=c.sim_lr, eps_low=c.eps_low, eps_high=c.eps_high, epochs=c.epochs,
+                            temperature=1.0 / c.gamma, weight_decay=0.0)
+        seen = [n for n, (_, kind, _) in self.sims.items() if kind == "seen"]
+        frozen = [self.frozen[seen[0]]] if name != "ensemble" else [self.frozen[n] for n in seen]
+        sim_model = None
+        if name in ("cotrain", "population"):
+            sim_model = add_adapters(copy.deepcopy(self.sims[seen[0]][0]), ["simulator"], r=c.lora_r,
+                                     alpha=2 * c.lora_r)
+        return build_method(
+            "single" if name == "base" else name, self.policy(), frozen, pcfg, scfg,
+            sim_model=sim_model, sim_tokenizer=self.tokenizer, sim_reward=c.sim_reward,
+            vs_k=c.vs_k, pool_size=c.pool_size, pool_every=c.pool_every,
+            oracle=RealUsers(seed=seed), seed=seed, sim_baseline=c.sim_baseline)
+
+
+# --------------------------------------------------------------------------- state
+def arm_state(m: Method, step: int, extra: dict) -> dict:
+    state = {"step": step, "policy": adapter_state(m.policy.model, "policy"),
+             "policy_opt": m.policy_opt.state_dict(), "torch_rng": torch.get_rng_state(),
+             "py_rng": random.getstate(), "np_rng": np.random.get_state(), **extra}
+    if m.trains_simulator:
+        state["simulator"] = adapter_state(m.partner.model, "simulator")
+        state["sim_opt"] = m.sim_opt.state_dict()
+    if isinstance(m.partner, Population):
+        state["population"] = m.partner.state()
+    for attr in ("rng",):
+        if hasattr(m.partner, attr):
+            state["partner_rng"] = copy.deepcopy(getattr(m.partner, attr))
+    if isinstance(m.partner, Verbalized):
+        state["vs_stats"] = copy.deepcopy(m.partner.stats)
+    return state
+
+
+def load_arm_state(m: Method, state: dict):
+    load_adapter_state(m.policy.model, "policy", state["policy"])
+    m.policy_opt.load_state_dict(state["policy_opt"])
+    if m.trains_simulator:
+        load_adapter_state(m.partner.model, "simulator", state["simulator"])
+        m.sim_opt.load_state_dict(state["sim_opt"])
+    if isinstance(m.partner, Population):
+        m.partner.load_state(state["population"])
+    if "partner_rng" in state:
+        m.partner.rng = state["partner_rng"]
+    if "vs_stats" in state:
+        m.partner.stats = state["vs_stats"]
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["py_rng"])
+    np.random.set_state(state["np_rng"])
+
+
+def save_atomic(obj, path: Path):
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- one arm
+def eval_record(toy: Toy, m: Method, method: str, seed: int, step: int) -> dict:
+    c = toy.cfg
+    rec = {"kind": "eval", "method": method, "seed": seed, "step": step}
+    panel = toy.panel(seed * 1000 + step)
+    res = evaluate_panel(toy.env, m.policy, {"real_users": panel.pop("real_users")}, toy.env.tasks(),
+                         c.eval_episodes * 4)
+    res.update(evaluate_panel(toy.env, m.policy, panel, toy.env.tasks(), c.eval_episodes))
+    for name, r in res.items():
+        rec[name] = r["mean"]
+        if "ci95" in r:
+            rec[name + "_ci95"] = r["ci95"]
+    rec["panel"] = float(np.mean([r["mean"] for r in res.values() if r.get("kind") in ("seen", "unseen")]))
+    rec["real_users_rewards"] = [e.reward for e in res["real_users"]["episodes"]]
+    rec["transcripts"] = [e.transcript(("persuader", "user")) for e in res["real_users"]["episodes"][::c.eval_episodes * 4][:2]]
+    acts = [tuple(e.info.get("acts", ())) for e in res["real_users"]["episodes"]]
+    rec["top_sequence"] = " | ".join(max(set(acts), key=acts.count)) if acts else ""
+    return rec
+
+
+def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: int | None = None):
+    """Train (or, for "base", only evaluate) one arm; resumes from its saved state."""
+    c = toy.cfg
+    arms = run_dir / "arms"
+    arms.mkdir(exist_ok=True)
+    state_path, best_path = arms / f"{arm_name(method, seed)}.pt", arms / f"{arm_name(method, seed)}.best.pt"
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    m = toy.method(method, seed)
+    start, best = 0, {"panel": -1.0}
+    if state_path.exists():
+        state = torch.load(state_path, weights_only=False)
+        load_arm_state(m, state)
+        start, best = state["step"] + 1, state.get("best", best)
+        if state.get("finished"):
+            return
+    steps = 0 if method == "base" else c.steps
+    tasks = toy.env.tasks()
+    bar = tqdm(range(start, steps + 1), desc=arm_name(method, seed), leave=False, initial=start, total=steps + 1)
+    for step in bar:
+        if step % c.eval_every == 0 or step == steps:
+            rec = eval_record(toy, m, method, seed, step)
+            if c.meter_every and (step % c.meter_every == 0 or step == steps):
+                rec["meter"] = collapse_meter(toy.env, m.policy, m.partner if method not in ("base",) else toy.frozen["sim-a"],
+                                              tasks, n_ref=2, n_resample=4, n_mode=6)
+            write(rec)
+            if rec["panel"] > best["panel"]:
+                best = {"panel": rec["panel"], "step": step, "real_users": rec["real_users"]}
+                save_atomic({"step": step, "policy": adapter_state(m.policy.model, "policy")}, best_path)
+            bar.set_postfix(real=f"{rec['real_users']:.2f}", panel=f"{rec['panel']:.2f}")
+        if step == steps:
+            break
+        batch = [tasks[(step * c.groups + g) % len(tasks)] for g in range(c.groups)]
+        t0 = time.time()
+        metrics = train_step(m, toy.env, batch, c.group_size, step)
+        episodes = metrics.pop("_episodes")
+        metrics.update(kind="train", method=method, seed=seed, seconds=time.time() - t0,
+                       invalid_acts=float(np.mean([e.info.get("n_invalid", 0) for e in episodes])))
+        write(metrics)
+        save_atomic(arm_state(m, step, {"best": best}), state_path)
+        if stop_after is not None and step + 1 >= stop_after:
+            raise KeyboardInterrupt   # used by tests to simulate an interruption
+    save_atomic({**arm_state(m, steps, {"best": best}), "finished": True}, state_path)
+
+
+class MetricsLog:
+    """Append-only JSONL; on resume, lines of steps that will be redone are dropped."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        if path.exists():
+            kept = {}
+            for line in path.read_text().splitlines():
+                r = json.loads(line)
+                kept[(r["kind"], r["method"], r["seed"], r["step"])] = line
+            path.write_text("".join(l + "\n" for l in kept.values()))
+
+    def trim(self, method: str, seed: int, from_step: int):
+        if not self.path.exists():
+            return
+        # the state of step k is saved after its train record: everything later is redone
+        lines = [l for l in self.path.read_text().splitlines()
+                 if not ((r := json.loads(l))["method"] == method and r["seed"] == seed and r["step"] > from_step)]
+        self.path.write_text("".join(l + "\n" for l in lines))
+
+    def __call__(self, record: dict):
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def records(self):
+        return [json.loads(l) for l in self.path.read_text().splitlines()] if self.path.exists() else []
+
+
+def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bool = False,
+        log=print, progress=True, stop_after: int | None = None) -> Path:
+    """Run every arm of the toy experiment; returns the run directory."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    run_dir = Path(runs_dir) / cfg.name
+    if run_dir.exists() and not resume and any(run_dir.iterdir()):
+        raise SystemExit(f"{run_dir} already exists: pass --resume {run_dir} to continue it, "
+                         f"or --name NEW to start another run")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=list))
+    write = MetricsLog(run_dir / "metrics.jsonl")
+    toy = Toy(cfg, cache_dir, log=log, progress=progress)
+    for method in cfg.methods:
+        for seed in cfg.seeds:
+            state_path = run_dir / "arms" / f"{arm_name(method, seed)}.pt"
+            if state_path.exists():
+                st = torch.load(state_path, weights_only=False)
+                write.trim(method, seed, st["step"])
+            else:
+                write.trim(method, seed, -1)
+            run_arm(toy, method, seed, run_dir, write, stop_after)
+    return run_dir

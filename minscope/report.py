@@ -1,0 +1,205 @@
+"""Turn a run's metrics.jsonl into results.json, PNG plots and report.md.
+
+Confidence intervals for a method's final held-out reward come from a two-level bootstrap:
+resample seeds, then episodes within each resampled seed. That way both the training
+randomness (seeds) and the evaluation noise (episodes) are in the interval.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+LABELS = {"base": "Base (untrained)", "single": "RL (Single)", "vs": "Verbalized Sampling",
+          "ensemble": "Ensemble (K=3)", "persona": "Persona-Guided", "cotrain": "Co-Training",
+          "population": "Population Co-Training", "oracle": "Oracle (trained on real users)"}
+
+
+def label(method: str) -> str:
+    base, _, variant = method.partition(":")
+    return LABELS.get(base, base) + (f" [{variant}]" if variant else "")
+
+
+def two_level_bootstrap(per_seed: list[list[float]], n_boot: int = 2000, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    arrays = [np.asarray(v, dtype=float) for v in per_seed if len(v)]
+    if not arrays:
+        return [float("nan"), float("nan")]
+    means = []
+    for _ in range(n_boot):
+        picks = rng.integers(len(arrays), size=len(arrays))
+        means.append(np.mean([arrays[i][rng.integers(arrays[i].size, size=arrays[i].size)].mean() for i in picks]))
+    return [float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))]
+
+
+def collect(records):
+    """method -> seed -> {"train": [...], "eval": [...]} sorted by step."""
+    out = defaultdict(lambda: defaultdict(lambda: {"train": [], "eval": []}))
+    for r in records:
+        out[r["method"]][r["seed"]][r["kind"]].append(r)
+    for seeds in out.values():
+        for d in seeds.values():
+            d["train"].sort(key=lambda r: r["step"])
+            d["eval"].sort(key=lambda r: r["step"])
+    return out
+
+
+def summarize(records, reference: dict) -> dict:
+    data = collect(records)
+    results = {"reference": reference, "methods": {}}
+    for method, seeds in data.items():
+        evals = [d["eval"] for d in seeds.values() if d["eval"]]
+        trains = [d["train"] for d in seeds.values() if d["train"]]
+        if not evals:
+            continue
+        final = [e[-1] for e in evals]
+
+        def mean_of(key, recs):
+            vals = [r[key] for r in recs if r.get(key) is not None]
+            return float(np.mean(vals)) if vals else None
+
+        def first_last(key, k=3):
+            if not trains:
+                return {"first": None, "last": None}
+            return {"first": float(np.mean([np.mean([r[key] for r in t[:k]]) for t in trains])),
+                    "last": float(np.mean([np.mean([r[key] for r in t[-k:]]) for t in trains]))}
+
+        res = {
+            "label": label(method),
+            "seeds": len(evals),
+            "heldout": {
+                "real_users": {
+                    "final_mean": mean_of("real_users", final),
+                    "final_ci95": two_level_bootstrap([r.get("real_users_rewards", [r["real_users"]]) for r in final]),
+                    "final_per_seed": [r["real_users"] for r in final],
+                    "best_mean": float(np.mean([max(x["real_users"] for x in e) for e in evals])),
+                    "selected_mean": float(np.mean([max(e, key=lambda x: x["panel"])["real_users"] for e in evals])),
+                },
+                "unseen": {"final_mean": mean_of("unseen", final)},
+                "seen": {"final_mean": mean_of("seen", final)},
+                "panel": {"final_mean": mean_of("panel", final)},
+            },
+            "train_reward": first_last("train_reward"),
+            "entropy": first_last("policy_entropy"),
+            "zero_variance": first_last("zero_var_frac"),
+            "top_sequence": final[0].get("top_sequence", ""),
+        }
+        meters = [r["meter"] for e in evals for r in e[-1:] if "meter" in r]
+        if meters:
+            res["collapse_meter"] = {k: float(np.mean([m[k] for m in meters])) for k in meters[0]}
+        results["methods"][method] = res
+    return results
+
+
+def plots(records, out_dir: Path) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = collect(records)
+    panels = [("eval", "real_users", "held-out reward (real users)"),
+              ("train", "train_reward", "train reward (vs its simulator)"),
+              ("train", "policy_entropy", "policy entropy (nats/token)"),
+              ("train", "zero_var_frac", "zero-variance groups")]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, (kind, key, title) in zip(axes.flat, panels):
+        for method, seeds in data.items():
+            series = [d[kind] for d in seeds.values() if d[kind]]
+            if not series or key not in series[0][0]:
+                continue
+            n = min(len(s) for s in series)
+            steps = [r["step"] for r in series[0][:n]]
+            vals = np.array([[r[key] for r in s[:n]] for s in series])
+            if kind == "train" and n > 5:   # light smoothing of noisy per-step values
+                kernel = np.ones(3) / 3
+                vals = np.array([np.convolve(v, kernel, mode="same") for v in vals])
+            line, = ax.plot(steps, vals.mean(0), label=label(method))
+            if len(vals) > 1:
+                ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.15, color=line.get_color())
+        ax.set_title(title)
+        ax.set_xlabel("policy step")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("minscope toy experiment (band = min..max over seeds)")
+    fig.tight_layout()
+    names = ["curves.png"]
+    fig.savefig(out_dir / names[0], dpi=110)
+    plt.close(fig)
+
+    meter = [(m, r["step"], r["meter"]) for m, seeds in data.items() for d in seeds.values()
+             for r in d["eval"] if "meter" in r]
+    if meter:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for method in data:
+            pts = sorted((s, v) for m, s, v in meter if m == method)
+            if not pts:
+                continue
+            by_step = defaultdict(list)
+            for s, v in pts:
+                by_step[s].append(v)
+            xs = sorted(by_step)
+            axes[0].plot(xs, [np.mean([v["sim_side_var"] for v in by_step[x]]) for x in xs], "o-", label=label(method))
+            axes[1].plot(xs, [np.mean([v["mode_prob"] for v in by_step[x]]) for x in xs], "o-", label=label(method))
+        axes[0].set_title("simulator-side reward variance E_agent[Var_sim R]")
+        axes[1].set_title("simulator mode probability at visited histories")
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "collapse_meter.png", dpi=110)
+        plt.close(fig)
+        names.append("collapse_meter.png")
+    return names
+
+
+def fmt(x, nd=3):
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
+    run_dir = Path(run_dir)
+    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    results = summarize(records, reference)
+    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+    images = plots(records, run_dir)
+    ref = results["reference"]
+    lines = [f"# minscope toy experiment: `{run_dir.name}`", "",
+             f"Exact reference values on the real users: random policy **{ref['random']:.3f}**, "
+             f"best fixed sequence **{ref['best_fixed']:.3f}**, best adaptive policy **{ref['best_adaptive']:.3f}**; "
+             f"the exploit (big ask x3) scores {ref.get('exploit_real', float('nan')):.3f} on real users "
+             f"and {ref.get('exploit_sharpened', float('nan')):.3f} inside the gamma-sharpened users.", "",
+             "| method | real users, final (95% CI) | real users, best | at best panel ckpt | unseen sims, final | "
+             "train reward first → last | entropy first → last | zero-var first → last | most common final sequence |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for method, r in results["methods"].items():
+        h = r["heldout"]["real_users"]
+        ci = h["final_ci95"]
+        lines.append(
+            f"| {r['label']} | {fmt(h['final_mean'])} ({fmt(ci[0], 2)}–{fmt(ci[1], 2)}) | {fmt(h['best_mean'])} | "
+            f"{fmt(h['selected_mean'])} | {fmt(r['heldout']['unseen']['final_mean'])} | "
+            f"{fmt(r['train_reward']['first'], 2)} → {fmt(r['train_reward']['last'], 2)} | "
+            f"{fmt(r['entropy']['first'], 2)} → {fmt(r['entropy']['last'], 2)} | "
+            f"{fmt(r['zero_variance']['first'], 2)} → {fmt(r['zero_variance']['last'], 2)} | {r['top_sequence']} |")
+    lines += ["", "Final = last evaluation (policy at temperature 0), averaged over seeds; CI from a two-level "
+              "bootstrap (seeds, then episodes). Best = each seed's best evaluation, averaged. "
+              "'At best panel ckpt' = the real-user score of the checkpoint with the best mean over the six "
+              "simulators (what the paper keeps).", ""]
+    meters = {m: r["collapse_meter"] for m, r in results["methods"].items() if "collapse_meter" in r}
+    if meters:
+        lines += ["## Collapse meter (last evaluation)", "",
+                  "| method | simulator-side var | agent-side var | simulator mode prob |", "|---|---|---|---|"]
+        lines += [f"| {label(m)} | {fmt(v['sim_side_var'])} | {fmt(v['agent_side_var'])} | {fmt(v['mode_prob'], 2)} |"
+                  for m, v in meters.items()]
+        lines.append("")
+    lines += [f"![{n}]({n})" for n in images] + [""]
+    if extra_md:
+        lines += [extra_md, ""]
+    lines += ["## Transcripts (final policy vs real users)", ""]
+    data = collect(records)
+    for method, seeds in data.items():
+        first = next(iter(seeds.values()))
+        if first["eval"]:
+            lines.append(f"**{label(method)}**")
+            lines += ["```"] + first["eval"][-1].get("transcripts", [])[:2] + ["```"]
+    (run_dir / "report.md").write_text("\n".join(lines) + "\n")
+    return results

@@ -1,0 +1,154 @@
+"""The SCOPE methods: every simulator strategy, the shared training step, the collapse meter."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from minscope.envs.base import Episode, Turn
+from minscope.envs.toy import RealUsers, SharpenedUsers, ToyEnv, ACTS
+from minscope.envs.wordgame import Asker, WordGame
+from minscope.evaluate import collapse_meter
+from minscope.methods import METHODS, build_method, train_step
+from minscope.models import adapter_state, add_adapters, build_tiny_model
+from minscope.rollout import LMSpeaker, rollout
+from minscope.simulators import Ensemble, Frozen, PersonaGuided, Population, Verbalized
+from minscope.trainer import UpdateConfig
+from minscope.verbalized import Candidate, format_candidates
+
+
+@pytest.fixture
+def parts(tokenizer):
+    torch.manual_seed(0)
+    policy_model = add_adapters(build_tiny_model(tokenizer, "qwen3", hidden_size=32), ["policy"],
+                                init_lora_weights=False)
+    sim_model = add_adapters(build_tiny_model(tokenizer, "qwen3", hidden_size=32, seed=1), ["simulator"],
+                             init_lora_weights=False)
+    policy = LMSpeaker(policy_model, tokenizer, "agent", adapter="policy", max_new_tokens=3)
+    frozen = [Frozen(build_tiny_model(tokenizer, "llama", hidden_size=32, seed=s), tokenizer,
+                     max_new_tokens=3, name=f"sim{s}") for s in range(3)]
+    return policy, frozen, sim_model
+
+
+class Scripted:
+    """A stand-in generator returning canned texts, to test the VS wrapper's logic."""
+    def __init__(self, outputs):
+        self.outputs, self.calls = list(outputs), 0
+
+    def __call__(self, episodes, env):
+        self.calls += 1
+        out = [self.outputs.pop(0) for _ in episodes]
+        return out, [[1]] * len(episodes), [[0.0]] * len(episodes)
+
+
+def test_verbalized_draws_one_candidate_and_only_it_enters_the_conversation(parts):
+    vs = Verbalized(parts[1][0], k=2, seed=0)
+    vs.speaker.generate = Scripted([format_candidates([Candidate("yes", 1.0), Candidate("no", 0.0)])])
+    ep = Episode(task="river", group=0)
+    turn = vs.respond([ep], WordGame())[0]
+    assert turn.text == "yes" and turn.meta["vs_dist"] == [1.0, 0.0]
+    assert vs.stats.as_dict()["requests"] == 1 and vs.stats.as_dict()["fallbacks"] == 0
+
+
+def test_verbalized_retries_then_falls_back_to_raw_text(parts):
+    vs = Verbalized(parts[1][0], k=5, retries=2, seed=0)
+    vs.speaker.generate = Scripted(["no json here"] * 3)
+    ep = Episode(task="river", group=0)
+    turn = vs.respond([ep], WordGame())[0]
+    stats = vs.stats.as_dict()
+    assert turn.text == "no json here" and turn.meta["vs_fallback"]
+    assert (stats["requests"], stats["retries"], stats["fallbacks"], stats["parse_failures"]) == (1, 2, 1, 3)
+
+
+def test_verbalized_instruction_reaches_the_simulator_prompt(parts, tokenizer):
+    vs = Verbalized(parts[1][0], k=5)
+    text = vs.speaker.render(WordGame(), Episode(task="river", group=0))
+    assert '"responses"' in text and "5 different" in text
+
+
+def test_ensemble_rotates_members_across_groups(parts):
+    ens = Ensemble(parts[1])
+    eps = [Episode(task=None, group=g) for g in range(7) for _ in range(2)]
+    ens.assign(eps)
+    assert [e.partner_name for e in eps[::2]] == ["sim0", "sim1", "sim2", "sim0", "sim1", "sim2", "sim0"]
+
+
+def test_persona_guided_draws_one_persona_per_group_into_the_prompt(parts, tokenizer):
+    frozen = parts[1][0]
+    pg = PersonaGuided(frozen.model, tokenizer, ["likes cats", "hates rain"], seed=0)
+    eps = [Episode(task="river", group=g) for g in range(20) for _ in range(2)]
+    pg.assign(eps)
+    assert all(eps[i].info["persona"] == eps[i + 1].info["persona"] for i in range(0, 40, 2))
+    assert {e.info["persona"] for e in eps} == {"likes cats", "hates rain"}
+    assert "Play this person:\nlikes cats" in pg.render(WordGame(), next(e for e in eps if e.info["persona"] == "likes cats"))
+
+
+def test_population_pool_is_fifo_and_draws_uniformly(parts, tokenizer):
+    _, _, sim_model = parts
+    pop = Population(sim_model, tokenizer, size=3, every=1, seed=0)
+    for step in range(1, 6):
+        with torch.no_grad():
+            for p in adapter_state(sim_model, "simulator"):
+                pass
+            next(p for n, p in sim_model.named_parameters() if "lora_B.simulator" in n).fill_(float(step))
+        pop.snapshot(step)
+    assert [s for s, _ in pop.pool] == [3, 4, 5]
+    for slot, (step, _) in zip(pop.slots, pop.pool):   # slot i holds the i-th oldest snapshot
+        b = next(p for n, p in sim_model.named_parameters() if f"lora_B.{slot}" in n)
+        assert torch.all(b == float(step))
+    eps = [Episode(task=None, group=g) for g in range(3000)]
+    pop.assign(eps)
+    counts = np.bincount([pop.slots.index(e.partner_name) for e in eps], minlength=3)
+    assert np.all(np.abs(counts / 3000 - 1 / 3) < 0.04), counts
+    assert pop.pool_nbytes() == 3 * sum(t.numel() * 4 for t in adapter_state(sim_model, "simulator").values())
+
+
+def test_cotraining_updates_both_adapters_and_nothing_else(parts, tokenizer):
+    policy, frozen, sim_model = parts
+    env = WordGame()
+    m = build_method("cotrain", policy, frozen, UpdateConfig(lr=1e-2), UpdateConfig(lr=1e-2),
+                     sim_model=sim_model, sim_tokenizer=tokenizer, sim_reward="cooperative")
+    others = {n: p.clone() for n, p in list(policy.model.named_parameters()) + list(sim_model.named_parameters())
+              if "lora_" not in n}
+    before_policy, before_sim = adapter_state(policy.model, "policy"), adapter_state(sim_model, "simulator")
+    torch.manual_seed(3)
+    # rewards must vary inside groups for a non-zero update: make the partner ask, reward on length
+    env.score = lambda ep: (float(len(ep.turns[-1].text) % 2), {})
+    train_step(m, env, env.tasks(), 4, step=0)
+    changed = lambda a, b: any(not torch.equal(a[k], b[k]) for k in a)   # noqa: E731
+    assert changed(before_policy, adapter_state(policy.model, "policy"))
+    assert changed(before_sim, adapter_state(sim_model, "simulator"))
+    params = dict(list(policy.model.named_parameters()) + list(sim_model.named_parameters()))
+    assert all(torch.equal(v, params[n]) for n, v in others.items())
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS])
+def test_every_method_runs_a_training_step(parts, tokenizer, name):
+    policy, frozen, sim_model = parts
+    env = WordGame()
+    m = build_method(name, policy, frozen, UpdateConfig(lr=1e-3), UpdateConfig(lr=1e-3),
+                     sim_model=sim_model, sim_tokenizer=tokenizer, personas=["likes cats"],
+                     oracle=Asker(), pool_size=2, pool_every=1)
+    metrics = train_step(m, env, env.tasks()[:2], 2, step=1)
+    assert 0.0 <= metrics["train_reward"] <= 1.0
+    assert sum(metrics["served_by"].values()) == 2
+
+
+class FixedActs:
+    name = "fixed"
+
+    def __init__(self, acts):
+        self.acts = acts
+
+    def respond(self, episodes, env):
+        return [Turn("agent", ACTS[self.acts[sum(t.role == "agent" for t in e.turns)]]) for e in episodes]
+
+
+def test_collapse_meter_sees_no_simulator_variance_in_a_deterministic_simulator():
+    env = ToyEnv()
+    agent = FixedActs(["big_ask", "big_ask", "big_ask"])
+    greedy = collapse_meter(env, agent, SharpenedUsers(gamma=500.0, seed=0), env.tasks(), n_ref=2, n_resample=8)
+    sampling = collapse_meter(env, agent, RealUsers(seed=0), env.tasks(), n_ref=2, n_resample=8)
+    assert greedy["sim_side_var"] < 1e-3 and greedy["mode_prob"] > 0.99
+    assert sampling["sim_side_var"] > 0.02 and sampling["mode_prob"] < 0.9
+    assert greedy["agent_side_var"] == 0.0      # a scripted agent has no randomness

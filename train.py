@@ -1,0 +1,120 @@
+"""minscope: train policies against user simulators and watch simulator collapse happen.
+
+With no arguments this runs the toy persuasion experiment on CPU (or GPU), offline: tiny
+language models are trained from scratch and cached, then Base, RL (Single), Verbalized
+Sampling, Ensemble, Co-Training, Population Co-Training and an oracle arm are trained for
+3 seeds each and evaluated on a held-out panel. Results land in runs/<name>/
+(report.md, results.json, plots). `--quick` does the same in a couple of minutes.
+
+Real models and benchmarks:
+    python train.py --env p4g --data PATH --policy Qwen/Qwen3-1.7B --simulator Qwen/Qwen3-1.7B --method vs
+    python train.py --env tau2 --domain retail --policy ... --simulator ... --method population
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--env", default="toy", choices=["toy", "p4g", "tau2", "wordgame"],
+                   help="environment (default: the built-in toy persuasion experiment)")
+    p.add_argument("--quick", action="store_true", help="toy: a ~2 minute version of the default run")
+    p.add_argument("--name", help="run name: results go to RUNS_DIR/NAME (default: toy / toy-quick / env-method)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its saved state")
+    p.add_argument("--runs-dir", default="runs", help="where runs are written (default: runs)")
+    p.add_argument("--cache-dir", default=".cache/minscope", help="toy: where the tiny models are cached")
+    p.add_argument("--methods", help="toy: comma-separated arms (default: all). Choices: "
+                   "base,single,vs,ensemble,cotrain,population,oracle")
+    p.add_argument("--seeds", help="toy: comma-separated seeds (default: 0,1,2)")
+    p.add_argument("--steps", type=int, help="policy updates per arm")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    # real models
+    p.add_argument("--method", default="single", help="real env: single|vs|ensemble|persona|cotrain|"
+                   "population|selfplay|population-selfplay")
+    p.add_argument("--data", help="p4g: path to the Persuasion for Good data (CSV release or ConvoKit dir)")
+    p.add_argument("--domain", default="retail", help="tau2: mock | airline | retail")
+    p.add_argument("--policy", help="policy model: Hugging Face name or local path")
+    p.add_argument("--simulator", help="simulator model (default: same base as the policy)")
+    p.add_argument("--panel", default="", help="held-out evaluation simulators, comma-separated "
+                   "models or adapter dirs; prefix with 'unseen:' to mark unseen ones")
+    p.add_argument("--load-in-4bit", action="store_true", help="4-bit NF4 base (CUDA + bitsandbytes)")
+    p.add_argument("--groups", type=int, default=16, help="real env: tasks per step")
+    p.add_argument("--group-size", type=int, default=8, help="real env: trajectories per task (G)")
+    p.add_argument("--lr", type=float, default=1e-5, help="real env: policy LoRA learning rate")
+    p.add_argument("--sim-lr", type=float, default=1e-5, help="real env: simulator LoRA learning rate")
+    p.add_argument("--eval-every", type=int, default=16, help="real env: evaluate every N steps")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="real env: per-turn token cap")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward")
+    return p.parse_args(argv)
+
+
+def run_toy(args):
+    from minscope import experiment, report
+    from minscope.envs.toy import World, sharpened
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        saved = json.loads((run_dir / "config.json").read_text())
+        models = experiment.ToyModelConfig(**saved.pop("models"))
+        cfg = experiment.ToyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()},
+                                   models=models)
+        runs_dir = run_dir.parent
+    else:
+        cfg = experiment.ToyConfig.quick() if args.quick else experiment.ToyConfig()
+        over = {}
+        if args.name:
+            over["name"] = args.name
+        if args.methods:
+            over["methods"] = tuple(m.strip() for m in args.methods.split(","))
+        if args.seeds:
+            over["seeds"] = tuple(int(s) for s in args.seeds.split(","))
+        if args.steps is not None:
+            over["steps"] = args.steps
+        if args.threads:
+            over["threads"] = args.threads
+        cfg = replace(cfg, **over)
+        runs_dir = Path(args.runs_dir)
+    print("minscope toy experiment — settings:")
+    for f in fields(cfg):
+        print(f"  {f.name:14s} {getattr(cfg, f.name)}")
+    run_dir = experiment.run(cfg, runs_dir, args.cache_dir, resume=bool(args.resume))
+    world = World()
+    exploit = lambda h: "big_ask"   # noqa: E731  the cheap exploit of collapsed simulators
+    reference = {"random": world.random_value(), "best_fixed": world.best_fixed()[0],
+                 "best_adaptive": world.best_adaptive()[0], "exploit_real": world.exact_value(exploit),
+                 "exploit_sharpened": world.exact_value(exploit, reply_dist=sharpened(world.reply_dist, cfg.gamma))}
+    results = report.write_report(run_dir, reference)
+    print(f"\nresults: {run_dir}/report.md\n")
+    print(f"{'method':34s} {'real users final':>16s} {'best':>6s} {'unseen':>7s} {'train first->last':>18s}")
+    for m, r in results["methods"].items():
+        h = r["heldout"]["real_users"]
+        print(f"{r['label']:34s} {h['final_mean']:16.3f} {h['best_mean']:6.3f} "
+              f"{r['heldout']['unseen']['final_mean'] or float('nan'):7.3f} "
+              f"{r['train_reward']['first'] or 0:8.2f} -> {r['train_reward']['last'] or 0:.2f}")
+    print(f"reference: random {reference['random']:.3f}, best fixed {reference['best_fixed']:.3f}, "
+          f"best adaptive {reference['best_adaptive']:.3f}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if args.env == "toy":
+            run_toy(args)
+        else:
+            from minscope.runner import run_real
+
+            run_real(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted: every finished step is saved; continue with --resume "
+              f"{Path(args.runs_dir) / (args.name or 'toy')}", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
