@@ -7,6 +7,13 @@
 For the toy experiment each arm's final and best (by panel mean) adapters are evaluated on
 the panel: the real users, the 3 seen and the 3 unseen simulators; the results go to
 `eval.jsonl` and a section of `report.md`.
+
+Real-model runs (train.py --env p4g / tau2) are rebuilt from their config.json; the saved
+policy adapter plays the test tasks against the run's panel (see minscope/real_report.py):
+
+    python eval.py runs/p4g-vs --episodes 4                  P4G: reward, donations, transcripts
+    python eval.py runs/tau2-single --trials 4               tau2: success per domain, pass^1..4
+    python eval.py runs/p4g-vs --checkpoint best --panel unseen:/models/Llama-3.2-3B-Instruct
 """
 
 from __future__ import annotations
@@ -23,6 +30,12 @@ def parse_args(argv=None):
     p.add_argument("--episodes", type=int, default=32, help="episodes per persona per panel member")
     p.add_argument("--meter", action="store_true", help="also measure the collapse meter")
     p.add_argument("--cache-dir", default=".cache/minscope", help="where the toy's tiny models are cached")
+    # real-model runs
+    p.add_argument("--trials", type=int, default=4, help="tau2: trials per task (reports pass^1..K)")
+    p.add_argument("--checkpoint", default="latest", help="real runs: latest | best | a step number")
+    p.add_argument("--panel", help="real runs: replace the run's panel (train.py --panel syntax)")
+    p.add_argument("--max-tasks", type=int, help="real runs: evaluate only the first N test tasks")
+    p.add_argument("--transcripts", type=int, default=3, help="real runs: transcripts per panel member")
     return p.parse_args(argv)
 
 
@@ -84,9 +97,15 @@ def main(argv=None):
     if not (run_dir / "metrics.jsonl").exists():
         raise SystemExit(f"{run_dir} has no metrics.jsonl: pass a directory written by train.py")
     config = json.loads((run_dir / "config.json").read_text())
-    if "models" not in config:
-        raise SystemExit(f"{run_dir} is a real-model run; its evaluations are in metrics.jsonl "
-                         "(every --eval-every steps) and its adapters in policy-step*/")
+    if "models" not in config:       # a real-model run (train.py --env p4g / tau2 / wordgame)
+        from minscope.real_report import write_real_report
+
+        path = write_real_report(run_dir, evaluate=not args.report_only,
+                                 transcripts_per_member=args.transcripts, episodes=args.episodes,
+                                 trials=args.trials, checkpoint=args.checkpoint, panel=args.panel,
+                                 max_tasks=args.max_tasks)
+        print(f"wrote {path}")
+        return
     from minscope import experiment, report
 
     models = experiment.ToyModelConfig(**config.pop("models"))

@@ -33,7 +33,8 @@ def parse_args(argv=None):
                    "base,single,vs,ensemble,cotrain,population,oracle")
     p.add_argument("--seeds", help="toy: comma-separated seeds (default: 0,1,2)")
     p.add_argument("--steps", type=int, help="policy updates per arm")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    p.add_argument("--workers", type=int, help="toy: arms trained in parallel processes, one CPU "
+                   "thread each (default 2; use the number of cores)")
     # real models
     p.add_argument("--method", default="single", help="real env: single|vs|ensemble|persona|cotrain|"
                    "population|selfplay|population-selfplay")
@@ -76,8 +77,8 @@ def run_toy(args):
             over["seeds"] = tuple(int(s) for s in args.seeds.split(","))
         if args.steps is not None:
             over["steps"] = args.steps
-        if args.threads:
-            over["threads"] = args.threads
+        if args.workers:
+            over["workers"] = args.workers
         cfg = replace(cfg, **over)
         runs_dir = Path(args.runs_dir)
     print("minscope toy experiment — settings:")

@@ -64,14 +64,15 @@ class ToyConfig:
     eval_episodes: int = 16               # per persona per panel member (real users: x4)
     meter_every: int = 30                 # collapse meter cadence (0 = off)
     temperature: float = 1.0              # policy sampling temperature in training
-    threads: int = 0                      # torch threads (0 = torch default)
+    workers: int = 2                      # arms trained in parallel, one CPU thread each
     models: ToyModelConfig = field(default_factory=ToyModelConfig)
 
     @classmethod
     def quick(cls, **kw):
         """--quick: a couple of minutes; the same code path, smaller everything."""
-        base = dict(name="toy-quick", seeds=(0,), steps=12, groups=4, eval_every=6, eval_episodes=4,
-                    meter_every=0, models=ToyModelConfig(transcripts=1500, vs_examples=600, sft_steps=200))
+        base = dict(name="toy-quick", methods=("base", "single", "vs", "oracle"), seeds=(0,), steps=12,
+                    groups=4, eval_every=6, eval_episodes=4, meter_every=0,
+                    models=ToyModelConfig(transcripts=1000, vs_examples=400, sim_steps=250, policy_steps=100))
         base.update(kw)
         return cls(**base)
 
@@ -101,8 +102,9 @@ class Toy:
         return p
 
     def policy(self):
+        # tiny models learn far faster when the LoRA also adapts the LM head
         model = add_adapters(copy.deepcopy(self.base_model), ["policy"], r=self.cfg.lora_r,
-                             alpha=2 * self.cfg.lora_r)
+                             alpha=2 * self.cfg.lora_r, target_modules="all-linear+head")
         return LMSpeaker(model, self.tokenizer, "agent", adapter="policy",
                          temperature=self.cfg.temperature, max_new_tokens=12, name="policy")
 
@@ -117,7 +119,7 @@ class Toy:
         sim_model = None
         if name in ("cotrain", "population"):
             sim_model = add_adapters(copy.deepcopy(self.sims[seen[0]][0]), ["simulator"], r=c.lora_r,
-                                     alpha=2 * c.lora_r)
+                                     alpha=2 * c.lora_r, target_modules="all-linear+head")
         return build_method(
             "single" if name == "base" else name, self.policy(), frozen, pcfg, scfg,
             sim_model=sim_model, sim_tokenizer=self.tokenizer, sim_reward=c.sim_reward,
@@ -186,7 +188,8 @@ def eval_record(toy: Toy, m: Method, method: str, seed: int, step: int) -> dict:
     return rec
 
 
-def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: int | None = None):
+def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: int | None = None,
+            progress: bool = True):
     """Train (or, for "base", only evaluate) one arm; resumes from its saved state."""
     c = toy.cfg
     arms = run_dir / "arms"
@@ -205,7 +208,8 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
             return
     steps = 0 if method == "base" else c.steps
     tasks = toy.env.tasks()
-    bar = tqdm(range(start, steps + 1), desc=arm_name(method, seed), leave=False, initial=start, total=steps + 1)
+    bar = tqdm(range(start, steps + 1), desc=arm_name(method, seed), leave=False, initial=start,
+               total=steps + 1, disable=not progress)
     for step in bar:
         if step % c.eval_every == 0 or step == steps:
             rec = eval_record(toy, m, method, seed, step)
@@ -233,53 +237,86 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
 
 
 class MetricsLog:
-    """Append-only JSONL; on resume, lines of steps that will be redone are dropped."""
+    """One arm's append-only JSONL. `trim(k)` drops what comes after the saved step k."""
 
     def __init__(self, path: Path):
         self.path = path
-        if path.exists():
-            kept = {}
-            for line in path.read_text().splitlines():
-                r = json.loads(line)
-                kept[(r["kind"], r["method"], r["seed"], r["step"])] = line
-            path.write_text("".join(l + "\n" for l in kept.values()))
 
-    def trim(self, method: str, seed: int, from_step: int):
-        if not self.path.exists():
-            return
-        # the state of step k is saved after its train record: everything later is redone
-        lines = [l for l in self.path.read_text().splitlines()
-                 if not ((r := json.loads(l))["method"] == method and r["seed"] == seed and r["step"] > from_step)]
-        self.path.write_text("".join(l + "\n" for l in lines))
+    def trim(self, from_step: int):
+        if self.path.exists():
+            # the state of step k is saved after its train record: everything later is redone
+            lines = [l for l in self.path.read_text().splitlines() if json.loads(l)["step"] <= from_step]
+            self.path.write_text("".join(l + "\n" for l in lines))
 
     def __call__(self, record: dict):
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def records(self):
-        return [json.loads(l) for l in self.path.read_text().splitlines()] if self.path.exists() else []
+
+_WORKER_TOY = {}
+
+
+def _arm_worker(job):
+    """Run one arm in a worker process (the Toy set-up is loaded once per process)."""
+    cfg, cache_dir, run_dir, method, seed, stop_after = job
+    torch.set_num_threads(1)
+    key = (id(cfg), cache_dir)
+    if key not in _WORKER_TOY:
+        _WORKER_TOY.clear()
+        _WORKER_TOY[key] = Toy(cfg, cache_dir, log=lambda *a: None, progress=False)
+    return _run_logged(_WORKER_TOY[key], method, seed, Path(run_dir), stop_after, progress=False)
+
+
+def _run_logged(toy, method, seed, run_dir: Path, stop_after=None, progress=True):
+    arms = run_dir / "arms"
+    arms.mkdir(exist_ok=True)
+    log = MetricsLog(arms / f"{arm_name(method, seed)}.jsonl")
+    state_path = arms / f"{arm_name(method, seed)}.pt"
+    log.trim(torch.load(state_path, weights_only=False)["step"] if state_path.exists() else -1)
+    run_arm(toy, method, seed, run_dir, log, stop_after, progress)
+    last = [json.loads(l) for l in log.path.read_text().splitlines() if json.loads(l)["kind"] == "eval"][-1]
+    return method, seed, last["real_users"]
+
+
+def merge_metrics(run_dir: Path, cfg: ToyConfig) -> Path:
+    """Concatenate the arms' logs into metrics.jsonl (method, then seed order)."""
+    out = run_dir / "metrics.jsonl"
+    with out.open("w") as f:
+        for method in cfg.methods:
+            for seed in cfg.seeds:
+                p = run_dir / "arms" / f"{arm_name(method, seed)}.jsonl"
+                if p.exists():
+                    f.write(p.read_text())
+    return out
 
 
 def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bool = False,
         log=print, progress=True, stop_after: int | None = None) -> Path:
     """Run every arm of the toy experiment; returns the run directory."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     run_dir = Path(runs_dir) / cfg.name
     if run_dir.exists() and not resume and any(run_dir.iterdir()):
         raise SystemExit(f"{run_dir} already exists: pass --resume {run_dir} to continue it, "
                          f"or --name NEW to start another run")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=list))
-    write = MetricsLog(run_dir / "metrics.jsonl")
-    toy = Toy(cfg, cache_dir, log=log, progress=progress)
-    for method in cfg.methods:
-        for seed in cfg.seeds:
-            state_path = run_dir / "arms" / f"{arm_name(method, seed)}.pt"
-            if state_path.exists():
-                st = torch.load(state_path, weights_only=False)
-                write.trim(method, seed, st["step"])
-            else:
-                write.trim(method, seed, -1)
-            run_arm(toy, method, seed, run_dir, write, stop_after)
+    ToyModels(cache_dir, cfg.models, progress=progress, log=log).build()
+    jobs = [(m, s) for m in cfg.methods for s in cfg.seeds]
+    if cfg.workers <= 1:
+        toy = Toy(cfg, cache_dir, log=log, progress=progress)
+        for method, seed in jobs:
+            _, _, score = _run_logged(toy, method, seed, run_dir, stop_after, progress)
+            log(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}")
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        log(f"training {len(jobs)} arms in {cfg.workers} processes ...")
+        with ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn")) as pool:
+            futures = [pool.submit(_arm_worker, (cfg, str(cache_dir), str(run_dir), m, s, stop_after))
+                       for m, s in jobs]
+            bar = tqdm(as_completed(futures), total=len(futures), desc="arms", disable=not progress)
+            for fut in bar:
+                method, seed, score = fut.result()
+                bar.write(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}")
+    merge_metrics(run_dir, cfg)
     return run_dir

@@ -176,11 +176,18 @@ def add_adapters(model, names, r: int = 8, alpha: int = 16, dropout: float = 0.0
                  target_modules="all-linear", init_lora_weights=True):
     """Wrap `model` with one LoRA adapter per name (all on the same frozen base).
 
+    target_modules: "all-linear" (every linear layer of the body, the usual QLoRA choice)
+    or "all-linear+head", which also adapts the LM head: tiny models learn far faster when
+    the head can move (`output_embedding` then includes the adapter's update).
+
     With the default init (B = 0) a new adapter equals the base until trained. Pass
     `init_lora_weights=False` for random, distinct adapters (tests). Returns a PeftModel.
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
+    if target_modules == "all-linear+head":
+        target_modules = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                                 if isinstance(m, torch.nn.Linear)})
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
                         init_lora_weights=init_lora_weights, task_type="CAUSAL_LM")
     names = list(names)
@@ -280,8 +287,24 @@ def model_device(model) -> torch.device:
 
 
 def output_embedding(model) -> torch.Tensor:
-    """The LM head weight [V, H] (tied or not), for `logprobs.token_logprobs`."""
-    return model.get_output_embeddings().weight
+    """The effective LM head weight [V, H] for `logprobs.token_logprobs`.
+
+    When the LM head carries a LoRA adapter (tiny models train it: see `add_adapters`), the
+    active adapter's low-rank update is added, W + scale * B @ A, differentiably; with
+    adapters disabled or inactive this is the plain (frozen, possibly tied) weight.
+    """
+    head = model.get_output_embeddings()
+    base = getattr(head, "base_layer", None)
+    if base is None:
+        return head.weight
+    weight = base.weight
+    if getattr(head, "disable_adapters", False):
+        return weight
+    for name in head.active_adapters:
+        if name in head.lora_A:
+            delta = head.lora_B[name].weight @ head.lora_A[name].weight          # [V, H]
+            weight = weight + head.scaling[name] * delta.to(weight.dtype)
+    return weight
 
 
 def final_hidden_states(model, input_ids, attention_mask) -> torch.Tensor:

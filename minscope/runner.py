@@ -6,31 +6,56 @@ is that base with adapters disabled, and the trainable simulator is a second ada
 it). Every `--eval-every` steps the policy is evaluated on the test tasks against the panel
 and the adapters are saved in PEFT format; the full training state is saved every step so
 `--resume` continues an interrupted run.
+
+    run_dir/config.json         train.py's arguments (model and data paths made absolute)
+           metrics.jsonl        one line per training step ("kind": "train") and per
+                                evaluation ("kind": "eval": panel means)
+           policy-step{N}/      the policy adapter at each evaluation (PEFT format)
+           simulator-step{N}/   the trained simulator adapter (cotrain, population)
+           best.json            the evaluated step with the best panel mean
+           state.pt             everything needed to continue (adapters, optimizers, RNGs,
+                                the population pool)
+
+Panel entries (`--panel a,unseen:b`) are model directories / hub names, or PEFT adapter
+directories (e.g. a co-trained `simulator-step64/`), which are loaded onto the simulator's
+base model. `build_models` is shared with `real_report` (eval.py), which rebuilds the same
+models from a run's config.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import random
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from .evaluate import evaluate_panel
 from .methods import build_method, train_step
-from .models import adapter_state, add_adapters, load_adapter_state, load_model, save_adapter
+from .models import adapter_state, add_adapters, load_adapter, load_adapter_state, load_model, save_adapter
+from .rollout import LMSpeaker
 from .simulators import Frozen
 from .trainer import UpdateConfig
-from .rollout import LMSpeaker
+
+TRAINS_SIMULATOR = ("cotrain", "population")   # methods with a trainable "simulator" adapter
+DEFAULT_STEPS = 250
+SAMPLING_TEMPERATURE = 0.7                     # policy and simulators during training
 
 
+# --------------------------------------------------------------------------- environment
 def make_env(args):
     if args.env == "p4g":
         from .envs.p4g import P4GEnv
 
+        if not args.data:
+            raise SystemExit("--env p4g needs --data PATH (the Persuasion for Good CSV release "
+                             "or a ConvoKit corpus folder)")
         return P4GEnv(args.data)            # raises one clear error when the data is missing
     if args.env == "tau2":
         from .envs.tau2 import Tau2Env
@@ -43,81 +68,271 @@ def make_env(args):
     raise SystemExit(f"unknown environment {args.env!r}")
 
 
+def eval_tasks(env) -> tuple[list, str]:
+    """The held-out tasks, and which split they are. A tiny corpus can leave the test split
+    empty (P4G splits personas by a hash of the user id); then the training tasks are
+    used, with a warning, so that the run still reports something."""
+    tasks = env.tasks("test")
+    if tasks:
+        return tasks, "test"
+    print(f"warning: {env.name} has no test tasks (the corpus is too small to split); "
+          "evaluating on the TRAINING tasks instead, so evaluation numbers are not held out",
+          file=sys.stderr)
+    return env.tasks("train"), "train"
+
+
+# --------------------------------------------------------------------------- models
+def resolve_path(name: str | None) -> str | None:
+    """An existing local path made absolute (so a run can be evaluated from anywhere);
+    anything else (a hub name) unchanged."""
+    if not name:
+        return name
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else name
+
+
+def adapter_folder(path: str) -> Path | None:
+    """The folder holding a PEFT adapter (adapter_config.json) at `path` or in its only
+    subfolder (save_adapter writes `DIR/<adapter name>/`); None for a model directory."""
+    p = Path(path).expanduser()
+    if (p / "adapter_config.json").is_file():
+        return p
+    subs = [s for s in p.glob("*/adapter_config.json")] if p.is_dir() else []
+    return subs[0].parent if len(subs) == 1 else None
+
+
+def parse_panel(spec: str) -> list[tuple[str, str]]:
+    """"a,unseen:b,seen:c" -> [("a", "seen"), ("b", "unseen"), ("c", "seen")]."""
+    out = []
+    for entry in filter(None, (e.strip() for e in (spec or "").split(","))):
+        kind = "seen"
+        for prefix in ("unseen:", "seen:"):
+            if entry.startswith(prefix):
+                kind, entry = prefix[:-1], entry[len(prefix):]
+        out.append((resolve_path(entry), kind))
+    return out
+
+
+def _attach_adapter(model, name: str, folder: Path):
+    """Load a PEFT adapter from `folder` into slot `name`, wrapping a plain model first."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel):
+        load_adapter(model, name, folder)
+        return model
+    return PeftModel.from_pretrained(model, str(folder), adapter_name=name)
+
+
+@dataclass
+class Models:
+    """Everything a real run or its evaluation samples from."""
+    policy_model: object          # PeftModel with adapter "policy" (+ "simulator" when shared)
+    tokenizer: object
+    sim_model: object             # the simulator's base (the same object when shared)
+    sim_tokenizer: object
+    policy: LMSpeaker             # the policy at the training temperature
+    frozen: list                  # the frozen training simulator(s)
+    panel: dict                   # name -> (speaker, "seen" | "unseen")
+
+
+def build_models(args, train_simulator: bool = False, panel_spec: str | None = None) -> Models:
+    """Load the policy, the simulator and the panel named by train.py's `args`.
+
+    train_simulator: add a trainable "simulator" adapter on the simulator's base
+    (Co-Training). panel_spec overrides `args.panel`. The frozen training simulator is
+    the simulator's base with adapters disabled; it is also the panel's first member.
+    """
+    bits = dict(load_in_4bit=args.load_in_4bit)
+    policy_path, sim_path = resolve_path(args.policy), resolve_path(args.simulator)
+    policy_model, tok = load_model(policy_path, **bits)
+    shared = not sim_path or sim_path == policy_path
+    sim_model, sim_tok = (policy_model, tok) if shared else load_model(sim_path, **bits)
+    sim_path = sim_path or policy_path
+
+    # Decide every adapter before creating any speaker: wrapping a model in peft changes
+    # which object has to be called (the raw base would then run the active adapter).
+    policy_model = add_adapters(policy_model, ["policy"] + (["simulator"] if shared and train_simulator else []))
+    if shared:
+        sim_model = policy_model
+    elif train_simulator:
+        sim_model = add_adapters(sim_model, ["simulator"])
+    specs = parse_panel(args.panel if panel_spec is None else panel_spec)
+    slots = {}                                 # panel index -> adapter slot on the simulator
+    for i, (path, _) in enumerate(specs):
+        folder = adapter_folder(path)
+        if folder is not None:                 # a PEFT adapter: onto the simulator's base
+            slots[i] = f"panel{i}"
+            sim_model = _attach_adapter(sim_model, slots[i], folder)
+    if shared:
+        policy_model = sim_model
+
+    def frozen_speaker(name, model, mtok, adapter=None):
+        return Frozen(model, mtok, adapter=adapter, temperature=SAMPLING_TEMPERATURE,
+                      max_new_tokens=args.max_new_tokens, name=name)
+
+    frozen = frozen_speaker("train-simulator", sim_model, sim_tok)
+    panel = {"train-simulator": (frozen, "seen")}
+    for i, (path, kind) in enumerate(specs):
+        name = base = Path(path).name or path
+        while name in panel:                   # names must be unique (they label episodes)
+            name = f"{base}-{len(panel)}"
+        if i in slots:
+            member = frozen_speaker(name, sim_model, sim_tok, slots[i])
+        elif path == sim_path:                 # the same base again: reuse it, adapters off
+            member = frozen_speaker(name, sim_model, sim_tok)
+        elif path == policy_path:
+            member = frozen_speaker(name, policy_model, tok)
+        else:
+            member = frozen_speaker(name, *load_model(path, **bits))
+        panel[name] = (member, kind)
+    policy = LMSpeaker(policy_model, tok, "agent", adapter="policy", temperature=SAMPLING_TEMPERATURE,
+                       max_new_tokens=args.max_new_tokens, name="policy")
+    return Models(policy_model, tok, sim_model, sim_tok, policy, [frozen], panel)
+
+
+# --------------------------------------------------------------------------- run state
+def restore_args(args) -> argparse.Namespace:
+    """On --resume the run's saved config.json is authoritative (a later --steps may
+    extend it); the command line only has to name the environment and the run."""
+    run_dir = Path(args.resume)
+    config_path = run_dir / "config.json"
+    if not config_path.exists():
+        raise SystemExit(f"--resume {run_dir}: no config.json there; pass a run directory "
+                         "written by train.py")
+    saved = json.loads(config_path.read_text())
+    if "models" in saved:
+        raise SystemExit(f"{run_dir} is a toy run: resume it with `python train.py --resume {run_dir}`")
+    if saved.get("env") != args.env:
+        raise SystemExit(f"{run_dir} is a --env {saved.get('env')} run; resume it with "
+                         f"`python train.py --env {saved.get('env')} --resume {run_dir}`")
+    merged = {**vars(args), **saved, "resume": str(run_dir)}
+    if args.steps is not None:
+        merged["steps"] = args.steps
+    return argparse.Namespace(**merged)
+
+
+def save_state(path: Path, step: int, models: Models, method, best: dict):
+    st = {"step": step, "policy": adapter_state(models.policy_model, "policy"),
+          "policy_opt": method.policy_opt.state_dict(), "torch_rng": torch.get_rng_state(),
+          "py_rng": random.getstate(), "best": best}
+    if method.trains_simulator:
+        st.update(simulator=adapter_state(method.partner.model, "simulator"), sim_opt=method.sim_opt.state_dict())
+    partner = method.partner
+    if hasattr(partner, "load_state"):           # a population: its pool of snapshots
+        st["partner"] = partner.state()
+    elif hasattr(partner, "rng"):                # VS draws, persona draws
+        st["partner_rng"] = partner.rng.getstate()
+    tmp = path.with_suffix(".tmp")
+    torch.save(st, tmp)
+    os.replace(tmp, path)                        # never leave a half-written state behind
+
+
+def load_state(path: Path, models: Models, method) -> tuple[int, dict]:
+    """Restore a run's state in place; returns (first step to run, best-so-far)."""
+    st = torch.load(path, weights_only=False)
+    load_adapter_state(models.policy_model, "policy", st["policy"])
+    method.policy_opt.load_state_dict(st["policy_opt"])
+    if method.trains_simulator:
+        load_adapter_state(method.partner.model, "simulator", st["simulator"])
+        method.sim_opt.load_state_dict(st["sim_opt"])
+    if "partner" in st:
+        method.partner.load_state(st["partner"])
+    elif "partner_rng" in st:
+        method.partner.rng.setstate(st["partner_rng"])
+    torch.set_rng_state(st["torch_rng"])
+    random.setstate(st["py_rng"])
+    return st["step"] + 1, st.get("best", {})
+
+
+def _keep_metrics_before(log_path: Path, start: int):
+    """Drop metric lines of steps that were not finished before an interruption, so a
+    resumed run does not log them twice."""
+    if not log_path.exists():
+        return
+    lines = [ln for ln in log_path.read_text().splitlines() if ln.strip()]
+    kept = [ln for ln in lines if json.loads(ln).get("step", 0) < start]
+    log_path.write_text("".join(ln + "\n" for ln in kept))
+
+
+def panel_means(res: dict) -> dict:
+    """Flat eval record: each member's mean, the seen/unseen group means, and their overall
+    mean (`panel_mean`, used to pick the best checkpoint)."""
+    rec = {k: v["mean"] for k, v in res.items()}
+    members = [v["mean"] for v in res.values() if v.get("kind") in ("seen", "unseen")]
+    rec["panel_mean"] = sum(members) / len(members)
+    return rec
+
+
+# --------------------------------------------------------------------------- training
 def run_real(args):
+    if args.resume:
+        args = restore_args(args)
     env = make_env(args)                    # before loading any model: fail fast on data
     if not args.policy:
         raise SystemExit(f"--env {args.env} needs --policy MODEL (a Hugging Face name or local path)")
+    if args.method not in ("single", "vs", "ensemble", "persona", "cotrain", "population",
+                           "selfplay", "population-selfplay"):
+        raise SystemExit(f"--method {args.method!r} is not available for real environments; choose "
+                         "single, vs, ensemble, persona, cotrain, population, selfplay or population-selfplay")
+    if args.method in ("selfplay", "population-selfplay") and not getattr(env, "symmetric", False):
+        print(f"note: {env.name} is not symmetric; with --method {args.method} the policy also plays "
+              f"the {env.partner_name} (and learns from those turns)", file=sys.stderr)
+    args.policy, args.simulator, args.data = resolve_path(args.policy), resolve_path(args.simulator), resolve_path(args.data)
+    args.steps = args.steps if args.steps is not None else DEFAULT_STEPS
     run_dir = Path(args.resume) if args.resume else Path(args.runs_dir) / (args.name or f"{args.env}-{args.method}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(vars(args), indent=2))
+    (run_dir / "config.json").write_text(json.dumps({**vars(args), "resume": None}, indent=2))
     torch.manual_seed(0)
     random.seed(0)
 
-    policy_model, tok = load_model(args.policy, load_in_4bit=args.load_in_4bit)
-    shared = not args.simulator or args.simulator == args.policy
-    needs_sim_adapter = args.method in ("cotrain", "population")
-    names = ["policy"] + (["simulator"] if shared and needs_sim_adapter else [])
-    policy_model = add_adapters(policy_model, names)
-    if shared:
-        sim_model, sim_tok = policy_model, tok
-    else:
-        sim_model, sim_tok = load_model(args.simulator, load_in_4bit=args.load_in_4bit)
-        if needs_sim_adapter:
-            sim_model = add_adapters(sim_model, ["simulator"])
-    policy = LMSpeaker(policy_model, tok, "agent", adapter="policy", temperature=0.7,
-                       max_new_tokens=args.max_new_tokens, name="policy")
-    frozen = [Frozen(sim_model, sim_tok, adapter=None, temperature=0.7,
-                     max_new_tokens=args.max_new_tokens, name="simulator")]
-    panel = {"train-simulator": (frozen[0], "seen")}
-    for entry in filter(None, (e.strip() for e in args.panel.split(","))):
-        kind, _, name = entry.rpartition(":") if entry.startswith("unseen:") else ("seen", "", entry)
-        model, mtok = load_model(name, load_in_4bit=args.load_in_4bit)
-        panel[Path(name).name] = (Frozen(model, mtok, temperature=0.7, max_new_tokens=args.max_new_tokens,
-                                         name=Path(name).name), kind or "seen")
-    if args.method == "ensemble":
-        frozen = [p for p, _ in panel.values() if _ == "seen"]
-
-    ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=0.7, beta=0.005)
+    models = build_models(args, train_simulator=args.method in TRAINS_SIMULATOR)
+    frozen = models.frozen
+    if args.method == "ensemble":           # the seen panel members are the training ensemble
+        frozen = [p for p, kind in models.panel.values() if kind == "seen"]
+    ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=SAMPLING_TEMPERATURE, beta=0.005)
     personas = env.persona_bank("train") if hasattr(env, "persona_bank") else None
-    method = build_method(args.method, policy, frozen, UpdateConfig(lr=args.lr, **ucfg),
-                          UpdateConfig(lr=args.sim_lr, **ucfg), sim_model=sim_model if needs_sim_adapter else None,
-                          sim_tokenizer=sim_tok, sim_reward=env.default_simulator_reward, personas=personas)
-    train_tasks, test_tasks = env.tasks("train"), env.tasks("test")
-    state_path, start = run_dir / "state.pt", 0
+    method = build_method(args.method, models.policy, frozen, UpdateConfig(lr=args.lr, **ucfg),
+                          UpdateConfig(lr=args.sim_lr, **ucfg),
+                          sim_model=models.sim_model if args.method in TRAINS_SIMULATOR else None,
+                          sim_tokenizer=models.sim_tokenizer, sim_reward=env.default_simulator_reward,
+                          personas=personas)
+    train_tasks = env.tasks("train")
+    if not train_tasks:
+        raise SystemExit(f"{env.name} has no training tasks: is the data complete?")
+    test_tasks, split = eval_tasks(env)
+    print(f"{env.name}: {len(train_tasks)} training tasks, {len(test_tasks)} {split} tasks for evaluation; "
+          f"method {args.method}; run dir {run_dir}")
+
+    state_path, log_path, start, best = run_dir / "state.pt", run_dir / "metrics.jsonl", 0, {}
     if state_path.exists():
-        st = torch.load(state_path, weights_only=False)
-        load_adapter_state(policy_model, "policy", st["policy"])
-        method.policy_opt.load_state_dict(st["policy_opt"])
-        if method.trains_simulator:
-            load_adapter_state(sim_model, "simulator", st["simulator"])
-            method.sim_opt.load_state_dict(st["sim_opt"])
-        torch.set_rng_state(st["torch_rng"])
-        random.setstate(st["py_rng"])
-        start = st["step"] + 1
-    steps = args.steps if args.steps is not None else 250
-    log = (run_dir / "metrics.jsonl").open("a")
-    rng = random.Random(start)
+        start, best = load_state(state_path, models, method)
+        print(f"resuming at step {start}")
+    _keep_metrics_before(log_path, start)
+    log = log_path.open("a")
+    steps = args.steps
     for step in tqdm(range(start, steps + 1), desc=f"{args.env}/{args.method}", initial=start, total=steps + 1):
         if step % args.eval_every == 0 or step == steps:
-            res = evaluate_panel(env, policy, panel, test_tasks[: args.groups], episodes_per_task=1)
-            rec = {"kind": "eval", "step": step, **{k: v["mean"] for k, v in res.items()}}
+            res = evaluate_panel(env, models.policy, models.panel, test_tasks[: args.groups], episodes_per_task=1)
+            rec = {"kind": "eval", "step": step, "split": split, **panel_means(res)}
             log.write(json.dumps(rec) + "\n")
             log.flush()
-            save_adapter(policy_model, "policy", run_dir / f"policy-step{step}")
+            save_adapter(models.policy_model, "policy", run_dir / f"policy-step{step}")
+            if method.trains_simulator:
+                save_adapter(method.partner.model, "simulator", run_dir / f"simulator-step{step}")
+            if not best or rec["panel_mean"] > best["panel_mean"]:
+                best = {"step": step, "panel_mean": rec["panel_mean"]}
+                (run_dir / "best.json").write_text(json.dumps(best) + "\n")
         if step == steps:
             break
         t0 = time.time()
-        batch = rng.sample(train_tasks, min(args.groups, len(train_tasks)))
+        # Tasks drawn from a per-step seed: a resumed run draws what it would have drawn.
+        batch = random.Random(step).sample(train_tasks, min(args.groups, len(train_tasks)))
         m = train_step(method, env, batch, args.group_size, step)
         m.pop("_episodes")
         m.update(kind="train", seconds=time.time() - t0)
         log.write(json.dumps(m) + "\n")
         log.flush()
-        st = {"step": step, "policy": adapter_state(policy_model, "policy"),
-              "policy_opt": method.policy_opt.state_dict(), "torch_rng": torch.get_rng_state(),
-              "py_rng": random.getstate()}
-        if method.trains_simulator:
-            st.update(simulator=adapter_state(sim_model, "simulator"), sim_opt=method.sim_opt.state_dict())
-        torch.save(st, state_path)
+        save_state(state_path, step, models, method, best)
+    log.close()
     print(f"done: {run_dir}")
     return run_dir

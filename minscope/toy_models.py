@@ -1,13 +1,19 @@
 """The tiny language models of the toy experiment, trained offline and cached.
 
     tokenizer      byte-level BPE trained on the game's strings + the VS instruction
-    policy base    a tiny LM behaviour-cloned on the persuader side of transcripts
-                   (a mediocre, history-aware starting policy; RL adds a LoRA "policy")
+    policy base    a tiny LM behaviour-cloned on a uniformly random persuader: it says
+                   valid acts, at random (RL adds a LoRA "policy" adapter on top)
     simulators     tiny LMs SFT'd on the persuadee side of real-user transcripts, each on
-                   its own variant of the world, and also taught to answer a Verbalized
-                   Sampling request with the top-5 replies and their true probabilities.
-                   "seen" ones are used in training (sim-a is the RL (Single) simulator,
-                   sim-a..c the ensemble), "unseen" ones only in evaluation.
+                   its own variant of the world. sim-a, the simulator RL (Single), VS and
+                   Co-Training train against, is also taught to answer a Verbalized Sampling
+                   request with the top-5 replies and their true probabilities.
+                   "seen" ones are used in training (sim-a..c form the ensemble), "unseen"
+                   ones only in evaluation.
+
+How well a simulator is learned matters more than anything else here (sharpening by
+gamma = 8 magnifies every error in the order of its replies): `fidelity()` measures the
+total variation between a simulator and its world at the histories that decide the
+exploit, and the exploit's value inside the sharpened simulator against the exact one.
 
 Everything is cached under `cache_dir/<hash of the settings>/` in Hugging Face format, so
 the second run starts training at once.
@@ -23,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .envs.toy import ToyEnv, World
+from .envs.toy import ACT_KEYS, ToyEnv, World
 from .models import build_tiny_model, build_tokenizer
 from .sft import sft
 from .verbalized import Candidate, format_candidates, vs_instruction
@@ -48,11 +54,13 @@ class ToyModelConfig:
     heads: int = 4
     vocab: int = 640
     transcripts: int = 3000     # real-user transcripts per simulator
-    vs_examples: int = 1500     # VS requests per simulator
-    sft_steps: int = 500
+    vs_examples: int = 1500     # VS requests (sim-a only)
+    sim_steps: int = 1500       # SFT steps per simulator (sim-a: x1.3 for its VS data)
+    policy_steps: int = 300     # SFT steps of the policy base
     batch: int = 32
     lr: float = 3e-3
     seed: int = 0
+    workers: int = 2            # processes that train models in parallel (1 thread each)
 
     def key(self) -> str:
         return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
@@ -103,43 +111,79 @@ class ToyModels:
         tok.save_pretrained(str(path))
         return tok
 
-    def _model(self, name: str, conversations_fn, seed: int):
+    def _load(self, name: str):
         from transformers import AutoModelForCausalLM
 
         path = self.dir / name
-        if (path / "config.json").exists():
-            return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").float().eval()
+        if not (path / "config.json").exists():
+            return None
+        return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").float().eval()
+
+    def names(self):
+        return ["policy-base"] + list(SIMULATORS)
+
+    def train(self, name: str) -> str:
+        """Train one model and save it; returns a log line. Runs in a worker process."""
         c = self.cfg
+        seed = c.seed + (100 if name == "policy-base" else list(SIMULATORS).index(name))
+        rng = np.random.default_rng(seed)
+        if name == "policy-base":
+            # a uniformly random persuader (so RL starts from the random policy)
+            world, steps = World(), c.policy_steps
+            transcripts = world.sample_transcripts(c.transcripts, rng, policy=lambda h: ACT_KEYS[rng.integers(len(ACT_KEYS))])
+            conversations = self.env.sft_conversations(transcripts, role="agent")
+        else:
+            world = World(**SIMULATORS[name][1])
+            env = ToyEnv(world)
+            transcripts = world.sample_transcripts(c.transcripts, rng)
+            conversations = env.sft_conversations(transcripts, role="partner")
+            steps = c.sim_steps
+            if name == "sim-a":
+                conversations += vs_conversations(env, world, transcripts, c.vs_examples, rng)
+                steps = int(steps * 1.3)
         model = build_tiny_model(self.tokenizer, c.arch, c.hidden, c.layers, c.heads, seed=seed)
-        losses = sft(model, self.tokenizer, conversations_fn(), steps=c.sft_steps, batch_size=c.batch,
-                     lr=c.lr, seed=seed, desc=f"sft {name}", progress=self.progress)
-        self.log(f"  trained {name}: SFT loss {losses[0]:.2f} -> {np.mean(losses[-20:]):.3f}")
-        model.save_pretrained(str(path))
-        return model.eval()
+        losses = sft(model, self.tokenizer, conversations, steps=steps, batch_size=c.batch, lr=c.lr,
+                     seed=seed, desc=f"sft {name}", progress=self.progress)
+        model.save_pretrained(str(self.dir / name))
+        return f"  trained {name}: SFT loss {losses[0]:.2f} -> {np.mean(losses[-20:]):.3f} ({steps} steps)"
+
+    def build(self):
+        """Train every model that is not cached yet (in `cfg.workers` processes)."""
+        missing = [n for n in self.names() if not (self.dir / n / "config.json").exists()]
+        if not missing:
+            return
+        self.log(f"training {len(missing)} tiny models (cached in {self.dir}; later runs skip this) ...")
+        if self.cfg.workers <= 1 or len(missing) == 1:
+            for name in missing:
+                self.log(self.train(name))
+            return
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(self.cfg.workers, mp_context=mp.get_context("spawn"),
+                                 initializer=_worker_init) as pool:
+            for line in pool.map(_train_one, [(str(self.dir.parent), self.cfg, n) for n in missing]):
+                self.log(line)
 
     def policy_base(self):
-        """The policy's starting point: behaviour cloning of the persuader side."""
-        def data():
-            rng = np.random.default_rng(self.cfg.seed + 100)
-            return self.env.sft_conversations(World().sample_transcripts(self.cfg.transcripts, rng), role="agent")
-        return self._model("policy-base", data, self.cfg.seed + 100)
+        self.build()
+        return self._load("policy-base")
 
     def simulator(self, name: str):
         """(model, kind, world) for one simulator of SIMULATORS."""
+        self.build()
         kind, overrides = SIMULATORS[name]
-        world = World(**overrides)
-        env = ToyEnv(world)
-        i = list(SIMULATORS).index(name)
-
-        def data():
-            rng = np.random.default_rng(self.cfg.seed + i)
-            transcripts = world.sample_transcripts(self.cfg.transcripts, rng)
-            return (env.sft_conversations(transcripts, role="partner")
-                    + vs_conversations(env, world, transcripts, self.cfg.vs_examples, rng))
-        return self._model(name, data, self.cfg.seed + i), kind, world
+        return self._load(name), kind, World(**overrides)
 
     def all(self):
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-        base = self.policy_base()
-        sims = {name: self.simulator(name) for name in SIMULATORS}
-        return base, sims
+        self.build()
+        return self.policy_base(), {name: self.simulator(name) for name in SIMULATORS}
+
+
+def _worker_init():
+    torch.set_num_threads(1)   # several small processes beat one process fighting for cores
+
+
+def _train_one(args):
+    cache_dir, cfg, name = args
+    return ToyModels(cache_dir, cfg, progress=False, log=lambda *a: None).train(name)

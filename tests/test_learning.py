@@ -1,28 +1,26 @@
 """The honest end-to-end check: GRPO through the real stack makes a tiny policy better.
 
 A tiny Llama-architecture policy is SFT'd to answer with a random word of the game, then
-trained with GRPO against the scripted partner that asks for "river". The probability it
-gives the right answer (computed exactly from the model, not sampled) must rise well above
-where it started. Fixed seeds; the margin is far beyond what noise moves in 40 steps.
+trained with GRPO against the scripted partner that asks for "river". Its success rate on a
+fixed evaluation batch (128 episodes, fixed seed) must rise far above where it started: the
+margin is several standard errors of that batch, which random drift cannot meet.
 """
 import torch
 
 from minscope.envs.wordgame import Asker, WordGame
 from minscope.methods import build_method, train_step
 from minscope.models import add_adapters, build_tiny_model, build_tokenizer
-from minscope.rollout import LMSpeaker
-from minscope.sft import encode_chat, sft
-from minscope.trainer import UpdateConfig, sequence_logprobs
+from minscope.rollout import LMSpeaker, rollout
+from minscope.sft import sft
+from minscope.trainer import UpdateConfig
 
 
-def answer_probability(model, tokenizer, word="river"):
-    msgs = [{"role": "system", "content": "answer with one word"}, {"role": "user", "content": f"say {word}"},
-            {"role": "assistant", "content": word}]
-    ids, mask = encode_chat(tokenizer, msgs)
-    ids = torch.tensor([ids])
-    with torch.no_grad():
-        logp = sequence_logprobs(model, ids, torch.ones_like(ids), 1.0, "policy")
-    return (logp * torch.tensor([mask[1:]], dtype=torch.float)).sum().exp().item()
+def success_rate(policy, env, seed=123):
+    state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    episodes = rollout(env, ["river"] * 16, policy, Asker(), group_size=8)
+    torch.set_rng_state(state)
+    return sum(e.reward for e in episodes) / len(episodes)
 
 
 def test_grpo_policy_learns_to_say_the_requested_word():
@@ -34,9 +32,9 @@ def test_grpo_policy_learns_to_say_the_requested_word():
     model = add_adapters(model, ["policy"])
     policy = LMSpeaker(model, tok, "agent", adapter="policy", max_new_tokens=4)
     method = build_method("oracle", policy, [], UpdateConfig(lr=3e-3), oracle=Asker())
-    before = answer_probability(model, tok)
-    rewards = [train_step(method, env, ["river"] * 4, 8, step)["train_reward"] for step in range(40)]
-    after = answer_probability(model, tok)
+    before = success_rate(policy, env)
+    for step in range(40):
+        train_step(method, env, ["river"] * 4, 8, step)
+    after = success_rate(policy, env)
     assert 0.1 < before < 0.4                 # SFT: one word of four, at random
-    assert after > before + 0.12, (before, after)
-    assert sum(rewards[-10:]) / 10 > sum(rewards[:5]) / 5 + 0.05
+    assert after > before + 0.15, (before, after)   # std error of a 128-episode rate <= 0.045

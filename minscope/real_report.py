@@ -1,0 +1,311 @@
+"""Evaluate a real-model run (P4G, tau2-bench) from its saved policy adapter; write report.md.
+
+    python eval.py runs/p4g-vs                       the latest policy-step*/ vs the run's panel
+    python eval.py runs/p4g-vs --checkpoint best     the step with the best panel mean in training
+    python eval.py runs/tau2-single --trials 4       tau2: 4 trials per task -> pass^1..pass^4
+
+The run's config.json (train.py's arguments) rebuilds the environment and the models
+(`runner.build_models`); the policy adapter is loaded from `policy-step{N}/` (PEFT format).
+The policy decodes greedily, as during training-time evaluation; each panel member plays
+every test task `episodes` times (tau2: `trials` times) at its sampling temperature.
+
+What the report holds:
+  P4G   reward per panel member (mean, 95% bootstrap CI), donations (mean, CI, how often
+        an amount was stated, distribution), dialogue length, donation asks per episode,
+        the training log, and transcripts (highest, middle and lowest reward per member).
+  tau2  success rate per member and domain (95% bootstrap CI over episodes), pass^k for
+        k = 1..trials (unbiased, per task, averaged over tasks), how episodes ended, tool
+        use, the training log and transcripts.
+Summaries (no transcripts) also go to eval.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .evaluate import evaluate_panel, pass_hat_k, summarize
+from .models import load_adapter
+from .runner import build_models, eval_tasks, make_env
+
+SUCCESS = 1.0 - 1e-6           # tau2 rewards are products of 0/1 evaluator scores
+DONATION_BINS = [("$0", 0.0, 0.0), ("$0.01-0.49", 0.01, 0.49), ("$0.50-0.99", 0.5, 0.99),
+                 ("$1.00-1.49", 1.0, 1.49), ("$1.50-1.99", 1.5, 1.99), ("$2", 2.0, 2.0)]
+
+
+# --------------------------------------------------------------------------- checkpoints
+def find_checkpoints(run_dir) -> dict[int, Path]:
+    """step -> policy adapter folder, for every `policy-step{N}/` in the run."""
+    out = {}
+    for path in Path(run_dir).glob("policy-step*"):
+        m = re.fullmatch(r"policy-step(\d+)", path.name)
+        if m and path.is_dir():
+            out[int(m[1])] = path
+    return out
+
+
+def pick_checkpoint(run_dir, which: str = "latest") -> tuple[int, Path]:
+    """`latest`, `best` (best.json: the best panel mean during training) or a step number."""
+    run_dir = Path(run_dir)
+    found = find_checkpoints(run_dir)
+    if not found:
+        raise SystemExit(f"{run_dir} has no policy-step*/ adapters: train first (they are "
+                         "saved at every --eval-every step)")
+    if which == "latest":
+        step = max(found)
+    elif which == "best":
+        best = run_dir / "best.json"
+        if not best.exists():
+            raise SystemExit(f"{run_dir} has no best.json; use --checkpoint latest or a step")
+        step = json.loads(best.read_text())["step"]
+    else:
+        step = int(which)
+    if step not in found:
+        raise SystemExit(f"{run_dir} has no policy-step{step}/; saved steps: {sorted(found)}")
+    return step, found[step]
+
+
+# --------------------------------------------------------------------------- summaries
+def _mean(xs) -> float:
+    return float(np.mean(xs)) if len(xs) else float("nan")
+
+
+def p4g_summary(episodes) -> dict:
+    """Reward, donations, dialogue length and donation asks of one member's episodes."""
+    donations = [ep.info["donation"] for ep in episodes]
+    return {
+        "reward": summarize([ep.reward for ep in episodes]),
+        "donation": summarize(donations),
+        "donation_stated": _mean([ep.info["donation_stated"] for ep in episodes]),
+        "donation_bins": {label: sum(lo <= d <= hi for d in donations)
+                          for label, lo, hi in DONATION_BINS},
+        "turns": _mean([ep.info["turns"] for ep in episodes]),
+        "words": _mean([ep.info["words"] for ep in episodes]),
+        "asks": _mean([ep.info["asks"] for ep in episodes]),
+        "any_ask": _mean([ep.info["asks"] > 0 for ep in episodes]),
+    }
+
+
+def tau2_summary(episodes, trials: int) -> dict:
+    """Success rate with CI, pass^1..pass^trials, endings and tool use of one member."""
+    success = [ep.reward >= SUCCESS for ep in episodes]
+    per_task = [success[i:i + trials] for i in range(0, len(success), trials)]   # rollout groups
+    endings = {}
+    for ep in episodes:
+        key = ep.info.get("tau2_termination", "unknown")
+        endings[key] = endings.get(key, 0) + 1
+    calls = [sum(len(t.meta.get("tool_calls") or []) for t in ep.turns if t.role == "agent")
+             for ep in episodes]
+    errors = [sum(bool(t.meta.get("error")) for t in ep.turns if t.role == "env") for ep in episodes]
+    return {
+        "success": summarize([float(s) for s in success]),
+        "reward": _mean([ep.reward for ep in episodes]),
+        "pass_hat_k": {k: pass_hat_k(per_task, k) for k in range(1, trials + 1)},
+        "tasks": len(per_task),
+        "endings": endings,
+        "turns": _mean([sum(t.role != "env" for t in ep.turns) for ep in episodes]),
+        "tool_calls": _mean(calls),
+        "tool_errors": _mean(errors),
+    }
+
+
+# --------------------------------------------------------------------------- evaluation
+def evaluate_run(run_dir, episodes: int = 4, trials: int = 4, checkpoint: str = "latest",
+                 panel: str | None = None, max_tasks: int | None = None) -> dict:
+    """Rebuild a run's env and models, load its policy adapter, play the panel.
+
+    Returns {"config", "step", "split", "tasks", "per_task", "members": name -> {"kind",
+    "summary", "episodes"}}. panel: a train.py-style panel spec replacing the run's.
+    """
+    run_dir = Path(run_dir)
+    args = argparse.Namespace(**json.loads((run_dir / "config.json").read_text()))
+    step, folder = pick_checkpoint(run_dir, checkpoint)
+    env = make_env(args)
+    tasks, split = eval_tasks(env)
+    tasks = tasks[:max_tasks] if max_tasks else tasks
+    models = build_models(args, panel_spec=panel)
+    load_adapter(models.policy_model, "policy", folder)
+    per_task = trials if args.env == "tau2" else episodes
+    torch.manual_seed(0)
+    res = evaluate_panel(env, models.policy, models.panel, tasks, episodes_per_task=per_task)
+    members = {}
+    for name, r in res.items():
+        if "episodes" not in r:
+            continue                              # the seen/unseen group means
+        eps = r["episodes"]
+        summary = tau2_summary(eps, trials) if args.env == "tau2" else (
+            p4g_summary(eps) if args.env == "p4g" else {"reward": summarize([e.reward for e in eps])})
+        members[name] = {"kind": r["kind"], "summary": summary, "episodes": eps}
+    return {"config": vars(args), "step": step, "checkpoint": checkpoint, "split": split,
+            "tasks": len(tasks), "per_task": per_task, "members": members,
+            "names": (env.agent_name, env.partner_name)}
+
+
+# --------------------------------------------------------------------------- markdown
+def _f(x, nd=3) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and np.isnan(x)) else f"{x:.{nd}f}"
+
+
+def _ci(s: dict, nd=3) -> str:
+    lo, hi = s["ci95"]
+    return f"[{_f(lo, nd)}, {_f(hi, nd)}]"
+
+
+def _group_means(members: dict, key) -> list[str]:
+    lines = []
+    for kind in ("seen", "unseen"):
+        vals = [key(m["summary"]) for m in members.values() if m["kind"] == kind]
+        if vals:
+            lines.append(f"Mean over {kind} members ({len(vals)}): {_f(float(np.mean(vals)))}.")
+    return lines
+
+
+def p4g_sections(members: dict) -> list[str]:
+    out = ["## Reward per panel member", "",
+           "Reward = min(donation / $2, 1); mean over episodes with a 95% bootstrap CI.", "",
+           "| member | kind | mean reward | 95% CI | episodes |", "|---|---|---|---|---|"]
+    for name, m in members.items():
+        s = m["summary"]["reward"]
+        out.append(f"| {name} | {m['kind']} | {_f(s['mean'])} | {_ci(s)} | {s['n']} |")
+    out += [""] + _group_means(members, lambda s: s["reward"]["mean"])
+    out += ["", "## Donations", "",
+            "The last amount the persuadee stated (none stated counts as $0); the columns on the "
+            "right count episodes per amount.", "",
+            "| member | mean $ | 95% CI | amount stated | " + " | ".join(b[0] for b in DONATION_BINS) + " |",
+            "|---|---|---|---|" + "---|" * len(DONATION_BINS)]
+    for name, m in members.items():
+        s = m["summary"]
+        bins = " | ".join(str(s["donation_bins"][b[0]]) for b in DONATION_BINS)
+        out.append(f"| {name} | {_f(s['donation']['mean'], 2)} | {_ci(s['donation'], 2)} | "
+                   f"{_f(100 * s['donation_stated'], 0)}% | {bins} |")
+    out += ["", "## Dialogue", "",
+            "Per episode: generated turns, words, and persuader messages that ask for a donation.", "",
+            "| member | turns | words | donation asks | episodes with an ask |", "|---|---|---|---|---|"]
+    for name, m in members.items():
+        s = m["summary"]
+        out.append(f"| {name} | {_f(s['turns'], 1)} | {_f(s['words'], 1)} | {_f(s['asks'], 2)} | "
+                   f"{_f(100 * s['any_ask'], 0)}% |")
+    return out
+
+
+def tau2_sections(members: dict, domain: str, trials: int) -> list[str]:
+    ks = range(1, trials + 1)
+    out = ["## Success per panel member", "",
+           f"Success = reward 1 from the official evaluators; 95% bootstrap CI over episodes. "
+           f"pass^k: the chance that k of the {trials} trials of a task all succeed, averaged over tasks.", "",
+           "| member | kind | domain | success | 95% CI | " + " | ".join(f"pass^{k}" for k in ks) + " | tasks |",
+           "|---|---|---|---|---|" + "---|" * trials + "---|"]
+    for name, m in members.items():
+        s = m["summary"]
+        phk = " | ".join(_f(s["pass_hat_k"][k]) for k in ks)
+        out.append(f"| {name} | {m['kind']} | {domain} | {_f(s['success']['mean'])} | {_ci(s['success'])} | "
+                   f"{phk} | {s['tasks']} |")
+    out += [""] + _group_means(members, lambda s: s["success"]["mean"])
+    out += ["", "## Episodes", "", "| member | turns | tool calls | tool errors | endings |",
+            "|---|---|---|---|---|"]
+    for name, m in members.items():
+        s = m["summary"]
+        endings = ", ".join(f"{k} {v}" for k, v in sorted(s["endings"].items()))
+        out.append(f"| {name} | {_f(s['turns'], 1)} | {_f(s['tool_calls'], 2)} | {_f(s['tool_errors'], 2)} | {endings} |")
+    return out
+
+
+def training_log(run_dir: Path) -> list[str]:
+    """The evaluations train.py logged, and the training reward's first and last values."""
+    path = run_dir / "metrics.jsonl"
+    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    train = [r["train_reward"] for r in recs if r.get("kind") == "train"]
+    out = ["## Training log", ""]
+    if train:
+        out.append(f"{len(train)} training steps; training reward {_f(train[0])} (first step) -> "
+                   f"{_f(train[-1])} (last step).")
+    if evals:
+        skip = {"kind", "step", "split", "panel_mean", "seen", "unseen"}
+        names = [k for k in evals[0] if k not in skip]
+        out += ["", f"Evaluations during training (greedy policy, {evals[0].get('split', 'test')} tasks, "
+                "one episode per task):", "",
+                "| step | " + " | ".join(names) + " | panel mean |", "|---|" + "---|" * (len(names) + 1)]
+        for r in evals:
+            out.append(f"| {r['step']} | " + " | ".join(_f(r.get(n)) for n in names) +
+                       f" | {_f(r.get('panel_mean'))} |")
+    return out
+
+
+def format_episode(ep, names) -> str:
+    """One line per turn, "speaker: text"; a turn's own line breaks are indented."""
+    label = {"agent": names[0], "partner": names[1], "env": "tool result"}
+    lines = []
+    for t in ep.turns:
+        who = label[t.role] + (" (tool call)" if t.role == "agent" and t.meta.get("tool_calls") is not None else "")
+        lines.append(f"{who}: " + t.text.strip().replace("\n", "\n    "))
+    return "\n".join(lines)
+
+
+def transcripts(members: dict, names, n: int) -> list[str]:
+    """Up to n episodes per member: highest, lowest and middle reward first."""
+    out = ["## Transcripts", ""]
+    for member, m in members.items():
+        eps = sorted(m["episodes"], key=lambda e: -e.reward)
+        order = [0, len(eps) - 1, len(eps) // 2] + list(range(len(eps)))
+        picked = list(dict.fromkeys(i for i in order if 0 <= i < len(eps)))[:n]
+        for i in picked:
+            ep = eps[i]
+            which = {0: "highest reward", len(eps) - 1: "lowest reward"}.get(i, "middle reward")
+            task = getattr(ep.task, "id", "?")
+            extra = f", donation ${ep.info['donation']:.2f}" if "donation" in ep.info else ""
+            body = format_episode(ep, names)
+            fence = "````" if "```" in body else "```"
+            out += [f"### {member}: {which} (task {task}, reward {ep.reward:.3f}{extra})", "",
+                    fence + "text", body, fence, ""]
+    return out
+
+
+def render_report(run_dir: Path, result: dict | None, transcripts_per_member: int = 3) -> str:
+    run_dir = Path(run_dir)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    lines = [f"# {run_dir.name}: evaluation", "",
+             f"Environment `{cfg['env']}`" + (f" (domain {cfg['domain']})" if cfg["env"] == "tau2" else "") +
+             f", method `{cfg['method']}`, policy `{cfg['policy']}`, simulator "
+             f"`{cfg.get('simulator') or cfg['policy']}`, trained for {cfg.get('steps')} steps.", ""]
+    if result is None:
+        lines += ["No evaluation was run (`--report-only`): `python eval.py RUN_DIR` evaluates the "
+                  "saved policy.", ""]
+    else:
+        lines += [f"Checkpoint `policy-step{result['step']}` ({result['checkpoint']}); "
+                  f"{result['tasks']} {result['split']} tasks x {result['per_task']} episodes per panel "
+                  "member; greedy policy, simulators sampled at temperature 0.7.", ""]
+        if result["split"] != "test":
+            lines += ["**Warning: the test split is empty, so these are TRAINING tasks, not held out.**", ""]
+        members = result["members"]
+        if cfg["env"] == "p4g":
+            lines += p4g_sections(members)
+        elif cfg["env"] == "tau2":
+            lines += tau2_sections(members, cfg["domain"], result["per_task"])
+        else:
+            lines += ["| member | kind | mean reward | 95% CI |", "|---|---|---|---|"]
+            lines += [f"| {k} | {m['kind']} | {_f(m['summary']['reward']['mean'])} | {_ci(m['summary']['reward'])} |"
+                      for k, m in members.items()]
+    lines += [""] + training_log(run_dir)
+    if result is not None and transcripts_per_member:
+        lines += [""] + transcripts(result["members"], result["names"], transcripts_per_member)
+    return "\n".join(lines) + "\n"
+
+
+def write_real_report(run_dir, evaluate: bool = True, transcripts_per_member: int = 3, **kw) -> Path:
+    """Evaluate (unless `evaluate` is False) and write report.md (+ eval.json); kw go to
+    `evaluate_run`. Returns the report's path."""
+    run_dir = Path(run_dir)
+    result = evaluate_run(run_dir, **kw) if evaluate else None
+    if result is not None:
+        summary = {k: v for k, v in result.items() if k not in ("members", "config", "names")}
+        summary["members"] = {k: {"kind": m["kind"], **m["summary"]} for k, m in result["members"].items()}
+        (run_dir / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
+    path = run_dir / "report.md"
+    path.write_text(render_report(run_dir, result, transcripts_per_member))
+    return path

@@ -1,0 +1,208 @@
+"""End to end on Persuasion for Good with real-architecture models: `train.py --env p4g` for
+every method, `--panel`, `--resume`, and `eval.py RUN_DIR` on the run.
+
+The models are tiny random Qwen3 models saved to disk the way a downloaded model is, so the
+real loading path (`load_model(dir)`: config, weights, tokenizer with chat template) runs.
+Rewards are 0 (random models state no donations); these tests check the plumbing.
+"""
+
+import argparse
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import eval as eval_cli
+import train as train_cli
+from minscope.envs.p4g import P4GEnv
+from minscope.methods import METHODS
+from minscope.models import (CHATML_TEMPLATE, add_adapters, build_tiny_model, build_tokenizer,
+                             lora_parameters, load_model, save_adapter)
+from minscope.real_report import evaluate_run, p4g_summary
+from minscope.envs.base import Episode
+from minscope.runner import build_models, eval_tasks, parse_panel
+
+P4G_CSV = Path(__file__).parent / "fixtures" / "p4g" / "csv"
+REAL_METHODS = [m for m in METHODS if m != "oracle"]   # oracle needs scripted real users (toy only)
+TINY = ["--groups", "2", "--group-size", "2", "--steps", "1", "--eval-every", "1", "--max-new-tokens", "8"]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Two tiny Qwen3 models saved like downloaded ones: "policy" and "other" (a different
+    seed, for the panel). The tokenizer is trained on the P4G prompts so they stay short."""
+    env = P4GEnv(P4G_CSV)
+    corpus = [m["content"] for t in env.tasks("all")
+              for m in env.agent_messages(t) + env.partner_messages(t)]
+    tok = build_tokenizer(corpus, vocab_size=800)
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for name, seed in (("policy", 0), ("other", 1)):
+        dirs[name] = root / name
+        build_tiny_model(tok, "qwen3", hidden_size=32, seed=seed).save_pretrained(dirs[name])
+        tok.save_pretrained(dirs[name])
+    return {k: str(v) for k, v in dirs.items()}
+
+
+def train(runs, model_dirs, method, *extra, name=None):
+    train_cli.main(["--env", "p4g", "--data", str(P4G_CSV), "--policy", model_dirs["policy"],
+                    "--method", method, "--runs-dir", str(runs), "--name", name or method, *TINY, *extra])
+    return Path(runs) / (name or method)
+
+
+def records(run_dir, kind):
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, model_dirs):
+    return train(tmp_path_factory.mktemp("runs"), model_dirs, "single",
+                 "--panel", f"unseen:{model_dirs['other']}")
+
+
+# --------------------------------------------------------------------------- models
+def test_a_saved_tiny_model_loads_back_with_its_chat_template(model_dirs):
+    model, tok = load_model(model_dirs["policy"])
+    assert model.config.model_type == "qwen3"
+    assert tok.chat_template == CHATML_TEMPLATE
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+# --------------------------------------------------------------------------- train.py
+@pytest.mark.parametrize("method", REAL_METHODS)
+def test_every_method_trains_a_step_and_evaluates(tmp_path, model_dirs, method):
+    panel = f"{model_dirs['other']},unseen:{model_dirs['other']}"
+    run_dir = train(tmp_path, model_dirs, method, "--panel", panel)
+    (step,) = records(run_dir, "train")
+    assert step["step"] == 0 and 0.0 <= step["train_reward"] <= 1.0
+    evals = records(run_dir, "eval")
+    assert [r["step"] for r in evals] == [0, 1]
+    assert {"train-simulator", "other", "other-2", "seen", "unseen", "panel_mean"} <= set(evals[-1])
+    for step in (0, 1):
+        saved = run_dir / f"policy-step{step}" / "policy"
+        assert (saved / "adapter_config.json").is_file() and (saved / "adapter_model.safetensors").is_file()
+    assert (run_dir / f"simulator-step1" / "simulator" / "adapter_model.safetensors").is_file() == \
+        (method in ("cotrain", "population"))
+
+
+def test_ensemble_trains_against_every_seen_panel_member(tmp_path, model_dirs):
+    run_dir = train(tmp_path, model_dirs, "ensemble", "--panel",
+                    f"{model_dirs['other']},unseen:{model_dirs['other']}", "--groups", "2")
+    (step,) = records(run_dir, "train")
+    assert step["served_by"] == {"train-simulator": 1, "other": 1}   # groups rotate; unseen never
+
+
+def test_saved_config_makes_model_and_data_paths_absolute(single_run):
+    config = json.loads((single_run / "config.json").read_text())
+    assert Path(config["policy"]).is_absolute() and Path(config["data"]).is_absolute()
+    assert config["method"] == "single" and config["steps"] == 1
+
+
+def test_resume_continues_exactly_where_the_run_stopped(tmp_path, model_dirs):
+    whole = train(tmp_path, model_dirs, "population", "--steps", "2", name="whole")
+    part = train(tmp_path, model_dirs, "population", "--steps", "1", name="part")
+    train_cli.main(["--env", "p4g", "--resume", str(part), "--steps", "2"])
+    for kind in ("train", "eval"):
+        a, b = records(whole, kind), records(part, kind)
+        assert [r["step"] for r in a] == [r["step"] for r in b]       # nothing logged twice
+        for ra, rb in zip(a, b):
+            ra.pop("seconds", None), rb.pop("seconds", None)
+            assert ra == rb
+    final = {d: load_file(str(d / "policy-step2" / "policy" / "adapter_model.safetensors")) for d in (whole, part)}
+    assert all(torch.equal(final[whole][k], final[part][k]) for k in final[whole])
+
+
+def test_missing_data_is_a_clear_error(model_dirs):
+    with pytest.raises(SystemExit, match="--data"):
+        train_cli.main(["--env", "p4g", "--policy", model_dirs["policy"]])
+
+
+# --------------------------------------------------------------------------- panel
+def test_panel_prefix_marks_unseen_members():
+    assert parse_panel("a, unseen:b,seen:c") == [("a", "seen"), ("b", "unseen"), ("c", "seen")]
+
+
+def test_an_adapter_directory_in_the_panel_is_loaded_onto_the_simulator_base(tmp_path, model_dirs, single_run):
+    base, _ = load_model(model_dirs["policy"])
+    random_adapter = add_adapters(base, ["policy"], init_lora_weights=False)
+    save_adapter(random_adapter, "policy", tmp_path / "sim-adapter")
+    args = json.loads((single_run / "config.json").read_text())
+    models = build_models(argparse.Namespace(**args), panel_spec=f"unseen:{tmp_path / 'sim-adapter'}")
+    speaker, kind = models.panel["sim-adapter"]
+    assert kind == "unseen" and speaker.adapter == "panel0" and speaker.model is models.sim_model
+    loaded = lora_parameters(models.sim_model, "panel0")
+    saved = lora_parameters(random_adapter, "policy")
+    assert loaded.keys() == saved.keys()
+    assert all(torch.equal(loaded[k].detach(), saved[k].detach()) for k in saved)
+
+
+def test_an_empty_test_split_falls_back_to_training_tasks_with_a_warning(tmp_path, capsys):
+    # Keep only dialogues whose persuadee falls in the training split.
+    train_ids = {t.id for t in P4GEnv(P4G_CSV).tasks("train")}
+    with open(P4G_CSV / "full_info.csv", newline="") as f:
+        info = list(csv.DictReader(f))
+    keep = {r["B2"] for r in info if r["B4"] == "1" and r["B3"] in train_ids}
+    for name in ("full_info.csv", "full_dialog.csv"):
+        with open(P4G_CSV / name, newline="") as f:
+            rows = list(csv.DictReader(f))
+        with open(tmp_path / name, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(r for r in rows if r["B2"] in keep)
+    env = P4GEnv(tmp_path)
+    assert env.tasks("test") == [] and env.tasks("train")
+    tasks, split = eval_tasks(env)
+    assert split == "train" and [t.id for t in tasks] == [t.id for t in env.tasks("train")]
+    assert "no test tasks" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- eval.py
+def test_eval_writes_a_report_of_the_p4g_run(single_run):
+    eval_cli.main([str(single_run), "--episodes", "2", "--transcripts", "1"])
+    report = (single_run / "report.md").read_text()
+    for heading in ("## Reward per panel member", "## Donations", "## Dialogue", "## Training log",
+                    "## Transcripts"):
+        assert heading in report
+    assert "persuader: " in report and "persuadee: " in report
+    summary = json.loads((single_run / "eval.json").read_text())
+    n_test = len(P4GEnv(P4G_CSV).tasks("test"))
+    assert summary["step"] == 1 and summary["split"] == "test"
+    assert set(summary["members"]) == {"train-simulator", "other"}
+    assert summary["members"]["other"]["kind"] == "unseen"
+    for member in summary["members"].values():
+        assert member["reward"]["n"] == 2 * n_test
+        assert sum(member["donation_bins"].values()) == 2 * n_test
+        assert len(member["reward"]["ci95"]) == 2
+
+
+def test_eval_plays_the_chosen_checkpoints_adapter(tmp_path, single_run, model_dirs):
+    run = tmp_path / "run"
+    shutil.copytree(single_run, run)
+    base, _ = load_model(model_dirs["policy"])
+    torch.manual_seed(1)
+    save_adapter(add_adapters(base, ["policy"], init_lora_weights=False), "policy", run / "policy-step1")
+    first_turn = lambda checkpoint: [ep.turns[0].text for ep in evaluate_run(   # noqa: E731
+        run, episodes=1, checkpoint=checkpoint)["members"]["train-simulator"]["episodes"]]
+    assert first_turn("0") != first_turn("latest")     # greedy opening: only the adapter differs
+
+
+def test_p4g_summary_counts_donations_asks_and_length():
+    def ep(donation, asks, turns):
+        e = Episode(task=None, group=0, reward=min(donation / 2, 1))
+        e.info.update(donation=donation, donation_stated=donation > 0, asks=asks, turns=turns, words=3 * turns)
+        return e
+
+    s = p4g_summary([ep(0.0, 0, 10), ep(0.5, 2, 10), ep(2.0, 1, 8)])
+    assert s["donation_bins"] == {"$0": 1, "$0.01-0.49": 0, "$0.50-0.99": 1, "$1.00-1.49": 0,
+                                  "$1.50-1.99": 0, "$2": 1}
+    assert s["reward"]["mean"] == pytest.approx((0 + 0.25 + 1) / 3)
+    assert s["asks"] == pytest.approx(1.0) and s["any_ask"] == pytest.approx(2 / 3)
+    assert s["turns"] == pytest.approx(28 / 3) and s["donation_stated"] == pytest.approx(2 / 3)
