@@ -61,7 +61,7 @@ class ToyConfig:
     pool_every: int = 4
     vs_k: int = 5
     eval_every: int = 10
-    eval_episodes: int = 16               # per persona per panel member (real users: x4)
+    eval_episodes: int = 8                # per persona per panel member (real users: x4)
     meter_every: int = 30                 # collapse meter cadence (0 = off)
     temperature: float = 1.0              # policy sampling temperature in training
     workers: int = 2                      # arms trained in parallel, one CPU thread each
@@ -72,7 +72,8 @@ class ToyConfig:
         """--quick: a couple of minutes; the same code path, smaller everything."""
         base = dict(name="toy-quick", methods=("base", "single", "vs", "oracle"), seeds=(0,), steps=12,
                     groups=4, eval_every=6, eval_episodes=4, meter_every=0,
-                    models=ToyModelConfig(transcripts=1000, vs_examples=400, sim_steps=250, policy_steps=100))
+                    models=ToyModelConfig(transcripts=1000, vs_examples=400, sim_a_steps=300, sim_steps=250,
+                                          policy_steps=100))
         base.update(kw)
         return cls(**base)
 
@@ -108,8 +109,24 @@ class Toy:
         return LMSpeaker(model, self.tokenizer, "agent", adapter="policy",
                          temperature=self.cfg.temperature, max_new_tokens=12, name="policy")
 
+    def anchor_batches(self, seed: int, batch: int = 32):
+        """Real-user transcripts (persuadee side) for the realism anchor, as SFT batches."""
+        from .sft import encode_chat, pad_batch
+
+        rng = np.random.default_rng(seed + 777)
+        convs = self.env.sft_conversations(World().sample_transcripts(2000, rng), role="partner")
+        encoded = [encode_chat(self.tokenizer, c) for c in convs]
+        pick = random.Random(seed)
+        return lambda: pad_batch(pick.sample(encoded, batch), self.tokenizer.pad_token_id)
+
     def method(self, name: str, seed: int) -> Method:
+        """Build an arm. Variants after a colon tweak the simulator objective, e.g.
+        "cotrain:adversarial", "population:anchor", "cotrain:group" (group-wise baseline)."""
         c = self.cfg
+        name, _, variant = name.partition(":")
+        tweaks = set(filter(None, variant.split("+")))
+        sim_reward = next((t for t in tweaks if t in ("adversarial", "cooperative", "curriculum")), c.sim_reward)
+        sim_baseline = "group" if "group" in tweaks else c.sim_baseline
         pcfg = UpdateConfig(lr=c.policy_lr, eps_low=c.eps_low, eps_high=c.eps_high, beta=c.beta,
                             epochs=c.epochs, temperature=c.temperature, weight_decay=0.0)
         scfg = UpdateConfig(lr=c.sim_lr, eps_low=c.eps_low, eps_high=c.eps_high, epochs=c.epochs,
@@ -120,11 +137,14 @@ class Toy:
         if name in ("cotrain", "population"):
             sim_model = add_adapters(copy.deepcopy(self.sims[seen[0]][0]), ["simulator"], r=c.lora_r,
                                      alpha=2 * c.lora_r, target_modules="all-linear+head")
-        return build_method(
+        m = build_method(
             "single" if name == "base" else name, self.policy(), frozen, pcfg, scfg,
-            sim_model=sim_model, sim_tokenizer=self.tokenizer, sim_reward=c.sim_reward,
+            sim_model=sim_model, sim_tokenizer=self.tokenizer, sim_reward=sim_reward,
             vs_k=c.vs_k, pool_size=c.pool_size, pool_every=c.pool_every,
-            oracle=RealUsers(seed=seed), seed=seed, sim_baseline=c.sim_baseline)
+            oracle=RealUsers(seed=seed), seed=seed, sim_baseline=sim_baseline)
+        if "anchor" in tweaks and m.trains_simulator:
+            m.anchor = self.anchor_batches(seed)
+        return m
 
 
 # --------------------------------------------------------------------------- state

@@ -42,6 +42,11 @@ class Method:
     sim_opt: torch.optim.Optimizer | None = None
     sim_cfg: UpdateConfig | None = None
     sim_baseline: str = "batch"       # how simulator advantages are normalised: batch | group
+    # Realism anchor: a function returning a batch (ids, attention, mask) of real-user
+    # transcripts; the simulator also takes an SFT step on it, weighted by `anchor_weight`,
+    # so that becoming informative for the policy does not cost it its realism.
+    anchor: object = None
+    anchor_weight: float = 0.5
     extra: dict = field(default_factory=dict)
 
     @property
@@ -104,6 +109,24 @@ def _normalise(x: torch.Tensor, group_size: int, how: str) -> torch.Tensor:
     return torch.zeros_like(x) if std < 1e-6 else (x - x.mean()) / std
 
 
+def anchor_step(m: Method) -> float:
+    """One weighted SFT step of the trainable simulator on real transcripts; returns the NLL."""
+    from .models import use_adapter
+    from .sft import nll
+
+    model, adapter = m.partner.model, m.partner.trainable_adapter
+    ids, attn, mask = (t.to(next(model.parameters()).device) for t in m.anchor())
+    model.train()
+    with use_adapter(model, adapter):
+        loss = nll(model, ids, attn, mask)
+    m.sim_opt.zero_grad(set_to_none=True)
+    (m.anchor_weight * loss).backward()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], m.sim_cfg.grad_clip)
+    m.sim_opt.step()
+    model.eval()
+    return loss.item()
+
+
 def train_step(method: Method, env, tasks, group_size: int, step: int) -> dict:
     """One step of any method. Returns a flat dict of metrics for metrics.jsonl."""
     m = method
@@ -126,6 +149,8 @@ def train_step(method: Method, env, tasks, group_size: int, step: int) -> dict:
         s = grpo_update(m.partner.model, m.partner.trainable_adapter, m.sim_opt, episodes, "partner",
                         sim_adv, m.sim_cfg, m.partner.tokenizer.pad_token_id)
         metrics.update(sim_reward=sim_r.mean().item(), sim_entropy=s["entropy"], sim_clip_frac=s["clip_frac"])
+        if m.anchor is not None:
+            metrics["sim_anchor_nll"] = anchor_step(m)
     if isinstance(m.partner, Population):
         if step > 0 and step % m.partner.every == 0:
             m.partner.snapshot(step)

@@ -63,8 +63,10 @@ def pick_checkpoint(run_dir, which: str = "latest") -> tuple[int, Path]:
         if not best.exists():
             raise SystemExit(f"{run_dir} has no best.json; use --checkpoint latest or a step")
         step = json.loads(best.read_text())["step"]
-    else:
+    elif which.isdigit():
         step = int(which)
+    else:
+        raise SystemExit(f"--checkpoint must be latest, best or a step number, not {which!r}")
     if step not in found:
         raise SystemExit(f"{run_dir} has no policy-step{step}/; saved steps: {sorted(found)}")
     return step, found[step]
@@ -275,7 +277,7 @@ def render_report(run_dir: Path, result: dict | None, transcripts_per_member: in
              f"`{cfg.get('simulator') or cfg['policy']}`, trained for {cfg.get('steps')} steps.", ""]
     if result is None:
         lines += ["No evaluation was run (`--report-only`): `python eval.py RUN_DIR` evaluates the "
-                  "saved policy.", ""]
+                  "saved policy."]
     else:
         lines += [f"Checkpoint `policy-step{result['step']}` ({result['checkpoint']}); "
                   f"{result['tasks']} {result['split']} tasks x {result['per_task']} episodes per panel "

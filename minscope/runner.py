@@ -37,12 +37,13 @@ import torch
 from tqdm.auto import tqdm
 
 from .evaluate import evaluate_panel
-from .methods import build_method, train_step
+from .methods import METHODS, build_method, train_step
 from .models import adapter_state, add_adapters, load_adapter, load_adapter_state, load_model, save_adapter
 from .rollout import LMSpeaker
 from .simulators import Frozen
 from .trainer import UpdateConfig
 
+REAL_METHODS = tuple(m for m in METHODS if m != "oracle")   # oracle needs scripted real users
 TRAINS_SIMULATOR = ("cotrain", "population")   # methods with a trainable "simulator" adapter
 DEFAULT_STEPS = 250
 SAMPLING_TEMPERATURE = 0.7                     # policy and simulators during training
@@ -202,7 +203,7 @@ def restore_args(args) -> argparse.Namespace:
     saved = json.loads(config_path.read_text())
     if "models" in saved:
         raise SystemExit(f"{run_dir} is a toy run: resume it with `python train.py --resume {run_dir}`")
-    if saved.get("env") != args.env:
+    if args.env not in ("toy", saved.get("env")):    # "toy" is train.py's default: not given
         raise SystemExit(f"{run_dir} is a --env {saved.get('env')} run; resume it with "
                          f"`python train.py --env {saved.get('env')} --resume {run_dir}`")
     merged = {**vars(args), **saved, "resume": str(run_dir)}
@@ -215,6 +216,8 @@ def save_state(path: Path, step: int, models: Models, method, best: dict):
     st = {"step": step, "policy": adapter_state(models.policy_model, "policy"),
           "policy_opt": method.policy_opt.state_dict(), "torch_rng": torch.get_rng_state(),
           "py_rng": random.getstate(), "best": best}
+    if torch.cuda.is_available():
+        st["cuda_rng"] = torch.cuda.get_rng_state_all()
     if method.trains_simulator:
         st.update(simulator=adapter_state(method.partner.model, "simulator"), sim_opt=method.sim_opt.state_dict())
     partner = method.partner
@@ -240,6 +243,8 @@ def load_state(path: Path, models: Models, method) -> tuple[int, dict]:
     elif "partner_rng" in st:
         method.partner.rng.setstate(st["partner_rng"])
     torch.set_rng_state(st["torch_rng"])
+    if "cuda_rng" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda_rng"])
     random.setstate(st["py_rng"])
     return st["step"] + 1, st.get("best", {})
 
@@ -270,16 +275,18 @@ def run_real(args):
     env = make_env(args)                    # before loading any model: fail fast on data
     if not args.policy:
         raise SystemExit(f"--env {args.env} needs --policy MODEL (a Hugging Face name or local path)")
-    if args.method not in ("single", "vs", "ensemble", "persona", "cotrain", "population",
-                           "selfplay", "population-selfplay"):
-        raise SystemExit(f"--method {args.method!r} is not available for real environments; choose "
-                         "single, vs, ensemble, persona, cotrain, population, selfplay or population-selfplay")
+    if args.method not in REAL_METHODS:
+        raise SystemExit(f"--method {args.method!r} is not available for real environments; choose one "
+                         f"of {', '.join(REAL_METHODS)}")
     if args.method in ("selfplay", "population-selfplay") and not getattr(env, "symmetric", False):
         print(f"note: {env.name} is not symmetric; with --method {args.method} the policy also plays "
               f"the {env.partner_name} (and learns from those turns)", file=sys.stderr)
     args.policy, args.simulator, args.data = resolve_path(args.policy), resolve_path(args.simulator), resolve_path(args.data)
     args.steps = args.steps if args.steps is not None else DEFAULT_STEPS
     run_dir = Path(args.resume) if args.resume else Path(args.runs_dir) / (args.name or f"{args.env}-{args.method}")
+    if not args.resume and (run_dir / "state.pt").exists():
+        raise SystemExit(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
+                         "or pick another --name")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps({**vars(args), "resume": None}, indent=2))
     torch.manual_seed(0)

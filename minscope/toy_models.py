@@ -55,7 +55,8 @@ class ToyModelConfig:
     vocab: int = 640
     transcripts: int = 3000     # real-user transcripts per simulator
     vs_examples: int = 1500     # VS requests (sim-a only)
-    sim_steps: int = 1500       # SFT steps per simulator (sim-a: x1.3 for its VS data)
+    sim_a_steps: int = 1800     # SFT steps of sim-a (the training simulator; it also learns VS)
+    sim_steps: int = 1000       # SFT steps of the other simulators
     policy_steps: int = 300     # SFT steps of the policy base
     batch: int = 32
     lr: float = 3e-3
@@ -140,7 +141,7 @@ class ToyModels:
             steps = c.sim_steps
             if name == "sim-a":
                 conversations += vs_conversations(env, world, transcripts, c.vs_examples, rng)
-                steps = int(steps * 1.3)
+                steps = c.sim_a_steps
         model = build_tiny_model(self.tokenizer, c.arch, c.hidden, c.layers, c.heads, seed=seed)
         losses = sft(model, self.tokenizer, conversations, steps=steps, batch_size=c.batch, lr=c.lr,
                      seed=seed, desc=f"sft {name}", progress=self.progress)

@@ -18,12 +18,12 @@ from safetensors.torch import load_file
 
 import eval as eval_cli
 import train as train_cli
+from minscope.envs.base import Episode
 from minscope.envs.p4g import P4GEnv
 from minscope.methods import METHODS
 from minscope.models import (CHATML_TEMPLATE, add_adapters, build_tiny_model, build_tokenizer,
                              lora_parameters, load_model, save_adapter)
 from minscope.real_report import evaluate_run, p4g_summary
-from minscope.envs.base import Episode
 from minscope.runner import build_models, eval_tasks, parse_panel
 
 P4G_CSV = Path(__file__).parent / "fixtures" / "p4g" / "csv"
@@ -89,7 +89,7 @@ def test_every_method_trains_a_step_and_evaluates(tmp_path, model_dirs, method):
     for step in (0, 1):
         saved = run_dir / f"policy-step{step}" / "policy"
         assert (saved / "adapter_config.json").is_file() and (saved / "adapter_model.safetensors").is_file()
-    assert (run_dir / f"simulator-step1" / "simulator" / "adapter_model.safetensors").is_file() == \
+    assert (run_dir / "simulator-step1" / "simulator" / "adapter_model.safetensors").is_file() == \
         (method in ("cotrain", "population"))
 
 
@@ -118,6 +118,11 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path, model_dirs):
             assert ra == rb
     final = {d: load_file(str(d / "policy-step2" / "policy" / "adapter_model.safetensors")) for d in (whole, part)}
     assert all(torch.equal(final[whole][k], final[part][k]) for k in final[whole])
+
+
+def test_a_new_run_does_not_overwrite_an_existing_one(single_run, model_dirs):
+    with pytest.raises(SystemExit, match="--resume"):
+        train(single_run.parent, model_dirs, "single")
 
 
 def test_missing_data_is_a_clear_error(model_dirs):

@@ -1,0 +1,66 @@
+"""The toy experiment harness: resumable runs, results.json, report and plots."""
+import json
+
+import pytest
+
+from minscope import experiment, report
+from minscope.toy_models import ToyModelConfig
+
+TINY_MODELS = ToyModelConfig(hidden=32, vocab=640, transcripts=120, vs_examples=40, sim_a_steps=10,
+                             sim_steps=5, policy_steps=5, batch=8, workers=1)
+
+
+def tiny_config(name, methods=("base", "single", "population")):
+    return experiment.ToyConfig(name=name, methods=methods, seeds=(0,), steps=4, groups=2, group_size=2,
+                                eval_every=2, eval_episodes=1, meter_every=4, workers=1, pool_every=1,
+                                models=TINY_MODELS)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def records(run_dir):
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        r.pop("seconds", None)           # wall time differs between runs
+        out.append(r)
+    return out
+
+
+def test_interrupted_run_resumes_to_the_same_numbers(tmp_path, cache):
+    cfg = tiny_config("toy")
+    straight = experiment.run(cfg, tmp_path / "a", cache, log=lambda *a: None, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        experiment.run(cfg, tmp_path / "b", cache, log=lambda *a: None, progress=False, stop_after=2)
+    resumed = experiment.run(cfg, tmp_path / "b", cache, resume=True, log=lambda *a: None, progress=False)
+    assert records(resumed) == records(straight)
+
+
+def test_existing_run_is_not_overwritten_without_resume(tmp_path, cache):
+    cfg = tiny_config("toy", methods=("base",))
+    experiment.run(cfg, tmp_path, cache, log=lambda *a: None, progress=False)
+    with pytest.raises(SystemExit, match="--resume"):
+        experiment.run(cfg, tmp_path, cache, log=lambda *a: None, progress=False)
+
+
+def test_report_writes_results_plots_and_markdown(tmp_path, cache):
+    cfg = tiny_config("toy", methods=("base", "single", "vs"))
+    run_dir = experiment.run(cfg, tmp_path, cache, log=lambda *a: None, progress=False)
+    reference = {"random": 0.1, "best_fixed": 0.3, "best_adaptive": 0.7}
+    results = report.write_report(run_dir, reference)
+    saved = json.loads((run_dir / "results.json").read_text())
+    assert saved["reference"] == reference
+    for method in ("base", "single", "vs"):
+        r = saved["methods"][method]
+        h = r["heldout"]["real_users"]
+        assert {"final_mean", "final_ci95", "best_mean"} <= set(h)
+        assert h["final_ci95"][0] <= h["final_mean"] <= h["final_ci95"][1]
+        assert r["heldout"]["unseen"]["final_mean"] is not None
+    for key in ("train_reward", "entropy", "zero_variance"):
+        assert set(saved["methods"]["single"][key]) == {"first", "last"}
+    assert (run_dir / "curves.png").stat().st_size > 1000
+    assert "Verbalized Sampling" in (run_dir / "report.md").read_text()
+    assert results["methods"]["vs"]["label"] == "Verbalized Sampling"
