@@ -39,16 +39,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def toy_reference(gamma: float) -> dict:
-    from minscope.envs.toy import World, sharpened
-
-    world = World()
-    exploit = lambda h: "big_ask"   # noqa: E731
-    return {"random": world.random_value(), "best_fixed": world.best_fixed()[0],
-            "best_adaptive": world.best_adaptive()[0], "exploit_real": world.exact_value(exploit),
-            "exploit_sharpened": world.exact_value(exploit, reply_dist=sharpened(world.reply_dist, gamma))}
-
-
 def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) -> str:
     """Evaluate each arm's final and best checkpoints; returns a markdown section."""
     import torch
@@ -112,7 +102,7 @@ def main(argv=None):
     cfg = experiment.ToyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items()},
                                models=models)
     extra = "" if args.report_only else reevaluate_toy(run_dir, cfg, args.episodes, args.meter, args.cache_dir)
-    report.write_report(run_dir, toy_reference(cfg.gamma), extra_md=extra)
+    report.write_report(run_dir, experiment.reference_values(cfg.gamma), extra_md=extra)
     print(f"wrote {run_dir / 'report.md'}")
 
 

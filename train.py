@@ -57,7 +57,6 @@ def parse_args(argv=None):
 
 def run_toy(args):
     from minscope import experiment, report
-    from minscope.envs.toy import World, sharpened
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -85,18 +84,14 @@ def run_toy(args):
     for f in fields(cfg):
         print(f"  {f.name:14s} {getattr(cfg, f.name)}")
     run_dir = experiment.run(cfg, runs_dir, args.cache_dir, resume=bool(args.resume))
-    world = World()
-    exploit = lambda h: "big_ask"   # noqa: E731  the cheap exploit of collapsed simulators
-    reference = {"random": world.random_value(), "best_fixed": world.best_fixed()[0],
-                 "best_adaptive": world.best_adaptive()[0], "exploit_real": world.exact_value(exploit),
-                 "exploit_sharpened": world.exact_value(exploit, reply_dist=sharpened(world.reply_dist, cfg.gamma))}
+    reference = experiment.reference_values(cfg.gamma)
     results = report.write_report(run_dir, reference)
     print(f"\nresults: {run_dir}/report.md\n")
     print(f"{'method':34s} {'real users final':>16s} {'best':>6s} {'unseen':>7s} {'train first->last':>18s}")
     for m, r in results["methods"].items():
         h = r["heldout"]["real_users"]
         print(f"{r['label']:34s} {h['final_mean']:16.3f} {h['best_mean']:6.3f} "
-              f"{r['heldout']['unseen']['final_mean'] or float('nan'):7.3f} "
+              f"{r['heldout']['unseen']['final_mean']:7.3f} "
               f"{r['train_reward']['first'] or 0:8.2f} -> {r['train_reward']['last'] or 0:.2f}")
     print(f"reference: random {reference['random']:.3f}, best fixed {reference['best_fixed']:.3f}, "
           f"best adaptive {reference['best_adaptive']:.3f}")
@@ -104,6 +99,10 @@ def run_toy(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.resume and args.env == "toy":
+        saved = Path(args.resume) / "config.json"
+        if saved.exists() and "models" not in json.loads(saved.read_text()):
+            args.env = json.loads(saved.read_text()).get("env", args.env)   # a real-model run
     try:
         if args.env == "toy":
             run_toy(args)
@@ -112,8 +111,9 @@ def main(argv=None):
 
             run_real(args)
     except KeyboardInterrupt:
-        print("\ninterrupted: every finished step is saved; continue with --resume "
-              f"{Path(args.runs_dir) / (args.name or 'toy')}", file=sys.stderr)
+        default = ("toy-quick" if args.quick else "toy") if args.env == "toy" else f"{args.env}-{args.method}"
+        where = args.resume or Path(args.runs_dir) / (args.name or default)
+        print(f"\ninterrupted: every finished step is saved; continue with --resume {where}", file=sys.stderr)
         sys.exit(130)
 
 

@@ -32,7 +32,7 @@ from .methods import Method, build_method, train_step
 from .models import adapter_state, add_adapters, load_adapter_state
 from .rollout import LMSpeaker
 from .simulators import Frozen, Population, Verbalized
-from .toy_models import SIMULATORS, ToyModelConfig, ToyModels
+from .toy_models import SIMULATORS, ToyModelConfig, ToyModels, fidelity
 from .trainer import UpdateConfig
 
 TOY_METHODS = ("base", "single", "vs", "ensemble", "cotrain", "population", "oracle")
@@ -44,7 +44,7 @@ class ToyConfig:
     name: str = "toy"
     methods: tuple = TOY_METHODS          # "base" = the untrained policy, evaluated only
     seeds: tuple = (0, 1, 2)
-    steps: int = 60                       # policy updates per arm
+    steps: int = 50                       # policy updates per arm
     groups: int = 8                       # rollout groups per step (tasks = personas, cycled)
     group_size: int = 8                   # G trajectories per group
     gamma: float = 8.0                    # sharpening of the "aligned" simulators
@@ -72,10 +72,21 @@ class ToyConfig:
         """--quick: a couple of minutes; the same code path, smaller everything."""
         base = dict(name="toy-quick", methods=("base", "single", "vs", "oracle"), seeds=(0,), steps=12,
                     groups=4, eval_every=6, eval_episodes=4, meter_every=0,
-                    models=ToyModelConfig(transcripts=1000, vs_examples=400, sim_a_steps=300, sim_steps=250,
-                                          policy_steps=100))
+                    models=ToyModelConfig(transcripts=1000, vs_examples=400, sim_a_steps=300, vs_steps=300,
+                                          sim_steps=250, policy_steps=100))
         base.update(kw)
         return cls(**base)
+
+
+def reference_values(gamma: float) -> dict:
+    """Exact values on the real users that every report shows (see minscope.envs.toy)."""
+    from .envs.toy import sharpened
+
+    world = World()
+    exploit = lambda history: "big_ask"   # noqa: E731  the cheap exploit of collapsed simulators
+    return {"random": world.random_value(), "best_fixed": world.best_fixed()[0],
+            "best_adaptive": world.best_adaptive()[0], "exploit_real": world.exact_value(exploit),
+            "exploit_sharpened": world.exact_value(exploit, reply_dist=sharpened(world.reply_dist, gamma))}
 
 
 def arm_name(method: str, seed: int) -> str:
@@ -95,11 +106,13 @@ class Toy:
         t = 1.0 / cfg.gamma
         self.frozen = {name: Frozen(model, self.tokenizer, temperature=t, max_new_tokens=12, name=name)
                        for name, (model, kind, world) in self.sims.items()}
+        self.vs_simulator = self.frozen.pop("sim-a-vs")
 
     def panel(self, seed: int):
         p = {"real_users": (RealUsers(seed=10_000 + seed), "real")}
         for name, (_, kind, _) in self.sims.items():
-            p[name] = (self.frozen[name], kind)
+            if kind in ("seen", "unseen"):
+                p[name] = (self.frozen[name], kind)
         return p
 
     def policy(self):
@@ -133,6 +146,8 @@ class Toy:
                             temperature=1.0 / c.gamma, weight_decay=0.0)
         seen = [n for n, (_, kind, _) in self.sims.items() if kind == "seen"]
         frozen = [self.frozen[seen[0]]] if name != "ensemble" else [self.frozen[n] for n in seen]
+        if name == "vs":
+            frozen = [self.vs_simulator]
         sim_model = None
         if name in ("cotrain", "population"):
             sim_model = add_adapters(copy.deepcopy(self.sims[seen[0]][0]), ["simulator"], r=c.lora_r,
@@ -319,7 +334,17 @@ def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bo
                          f"or --name NEW to start another run")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=list))
-    ToyModels(cache_dir, cfg.models, progress=progress, log=log).build()
+    models = ToyModels(cache_dir, cfg.models, progress=progress, log=log)
+    models.build()
+    fid_path = run_dir / "fidelity.json"
+    if not fid_path.exists():   # lesson: check the simulator where the exploit lives, before RL
+        sim, _, world = models.simulator("sim-a")
+        vs_sim = Frozen(models.simulator("sim-a-vs")[0], models.tokenizer, max_new_tokens=12)
+        fid = fidelity(Frozen(sim, models.tokenizer, max_new_tokens=12), world, cfg.gamma, vs_simulator=vs_sim)
+        fid_path.write_text(json.dumps(fid))
+        log(f"sim-a fidelity: exploit value inside the gamma={cfg.gamma:g} simulator {fid['exploit_lm']:.3f} "
+            f"(exact {fid['exploit_exact']:.3f}); mean TV to the real users at key histories {fid['tv']:.3f}; "
+            f"TV of sim-a-vs's verbalized distribution {fid['vs_tv']:.3f}")
     jobs = [(m, s) for m in cfg.methods for s in cfg.seeds]
     if cfg.workers <= 1:
         toy = Toy(cfg, cache_dir, log=log, progress=progress)

@@ -192,6 +192,16 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
                   for m, v in meters.items()]
         lines.append("")
     lines += [f"![{n}]({n})" for n in images] + [""]
+    fid_path = run_dir / "fidelity.json"
+    if fid_path.exists():
+        f = json.loads(fid_path.read_text())
+        lines += ["## Simulator fidelity (checked before any RL)", "",
+                  f"Inside sim-a sharpened by gamma, the exploit (big ask x3) is worth **{f['exploit_lm']:.3f}** "
+                  f"(exact value for the sharpened real users: {f['exploit_exact']:.3f}). Mean total variation "
+                  f"between sim-a and the real users at the histories the exploit and the probe pass through: "
+                  f"**{f['tv']:.3f}**. The distribution sim-a-vs *states* when asked for one (Verbalized Sampling, "
+                  f"decoded at temperature 1/gamma) is at TV **{f.get('vs_tv', float('nan')):.3f}** from the real users' "
+                  f"(the assumption the paper's Proposition 3.7 needs: VS recovers the reference distribution).", ""]
     if extra_md:
         lines += [extra_md, ""]
     lines += ["## Transcripts (final policy vs real users)", ""]

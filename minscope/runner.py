@@ -98,7 +98,7 @@ def adapter_folder(path: str) -> Path | None:
     p = Path(path).expanduser()
     if (p / "adapter_config.json").is_file():
         return p
-    subs = [s for s in p.glob("*/adapter_config.json")] if p.is_dir() else []
+    subs = list(p.glob("*/adapter_config.json")) if p.is_dir() else []
     return subs[0].parent if len(subs) == 1 else None
 
 

@@ -64,8 +64,10 @@ def sft(model, tokenizer, conversations: list[list[dict]], steps: int = 300, bat
     """Train all trainable parameters of `model` on the assistant turns. Returns losses."""
     rng = random.Random(seed)
     encoded = sorted((encode_chat(tokenizer, c) for c in conversations), key=lambda e: len(e[0]))
-    # Batches of similar length (a random window of the length-sorted data): little padding.
-    n_windows = max(1, len(encoded) - batch_size + 1)
+    # Little padding, still i.i.d. batches: split the length-sorted data into 4 buckets, pick a
+    # bucket in proportion to its size, then a uniformly random batch inside it.
+    buckets = [b for b in (encoded[i * len(encoded) // 4:(i + 1) * len(encoded) // 4] for i in range(4)) if b]
+    sizes = [len(b) for b in buckets]
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -74,8 +76,8 @@ def sft(model, tokenizer, conversations: list[list[dict]], steps: int = 300, bat
     losses = []
     bar = tqdm(range(steps), desc=desc, leave=False, disable=not progress)
     for _ in bar:
-        start = rng.randrange(n_windows)
-        rows = encoded[start:start + batch_size]
+        bucket = rng.choices(buckets, weights=sizes)[0]
+        rows = [bucket[rng.randrange(len(bucket))] for _ in range(batch_size)]
         ids, attn, mask = (t.to(device) for t in pad_batch(rows, tokenizer.pad_token_id))
         loss = nll(model, ids, attn, mask)
         opt.zero_grad(set_to_none=True)

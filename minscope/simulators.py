@@ -17,11 +17,12 @@ gamma > 1, i.e. temperature 1/gamma (the paper's P^gamma model of alignment).
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import deque
 
 from .envs.base import Turn
-from .models import adapter_nbytes, adapter_state, add_adapters, has_adapter, load_adapter_state
+from .models import adapter_nbytes, adapter_state, has_adapter, load_adapter_state
 from .rollout import LMSpeaker
 from . import verbalized
 
@@ -145,14 +146,14 @@ class Population(Trainable):
 
     def __init__(self, model, tokenizer, adapter: str = "simulator", reward: str = "adversarial",
                  size: int = 5, every: int = 4, temperature: float = 1.0, max_new_tokens: int = 64,
-                 seed: int = 0, name: str = "population", lora_r: int = 8, lora_alpha: int = 16):
+                 seed: int = 0, name: str = "population"):
         super().__init__(model, tokenizer, adapter, reward, temperature, max_new_tokens, name)
         self.size, self.every, self.rng = size, every, random.Random(seed)
         self.pool: deque = deque(maxlen=size)      # (step, state dict), oldest first
         self.slots = [f"pool{i}" for i in range(size)]
-        for slot in self.slots:
+        for slot in self.slots:   # same LoRA layout as the trained adapter, so snapshots fit
             if not has_adapter(model, slot):
-                add_adapters(model, [slot], r=lora_r, alpha=lora_alpha)
+                model.add_adapter(slot, copy.deepcopy(model.peft_config[adapter]))
         self.adapter = lambda ep: ep.partner_name
 
     def snapshot(self, step: int):

@@ -4,11 +4,15 @@
     policy base    a tiny LM behaviour-cloned on a uniformly random persuader: it says
                    valid acts, at random (RL adds a LoRA "policy" adapter on top)
     simulators     tiny LMs SFT'd on the persuadee side of real-user transcripts, each on
-                   its own variant of the world. sim-a, the simulator RL (Single), VS and
-                   Co-Training train against, is also taught to answer a Verbalized Sampling
-                   request with the top-5 replies and their true probabilities.
-                   "seen" ones are used in training (sim-a..c form the ensemble), "unseen"
-                   ones only in evaluation.
+                   its own variant of the world. sim-a is the simulator RL (Single) and
+                   Co-Training train against; "seen" ones are used in training (sim-a..c form
+                   the ensemble), "unseen" ones only in evaluation.
+    sim-a-vs       sim-a's world again, also taught to answer a Verbalized Sampling request
+                   with the top-5 replies and their true probabilities; the VS arm asks it.
+                   (One 64-wide model holding both answer modes got the order of its plain
+                   replies wrong where the exploit lives: measured, the exploit was worth 0.11
+                   inside it at gamma 8 instead of 0.88. Two models of the same data keep the
+                   comparison fair: both are sim-a's world, sharpened the same way.)
 
 How well a simulator is learned matters more than anything else here (sharpening by
 gamma = 8 magnifies every error in the order of its replies): `fidelity()` measures the
@@ -43,6 +47,7 @@ SIMULATORS = {
     "sim-d": ("unseen", {"persona_mix": (0.4, 0.3, 0.2, 0.1)}),
     "sim-e": ("unseen", {"cue_rate": 0.5, "lecture_pushback": 0.25}),
     "sim-f": ("unseen", {"persuade_rate": 0.5, "pressure_yes": 0.5}),
+    "sim-a-vs": ("vs", {}),
 }
 
 
@@ -54,17 +59,24 @@ class ToyModelConfig:
     heads: int = 4
     vocab: int = 640
     transcripts: int = 3000     # real-user transcripts per simulator
-    vs_examples: int = 1500     # VS requests (sim-a only)
-    sim_a_steps: int = 1800     # SFT steps of sim-a (the training simulator; it also learns VS)
-    sim_steps: int = 1000       # SFT steps of the other simulators
+    vs_examples: int = 1500     # VS requests (sim-a-vs only)
+    sim_a_steps: int = 1500     # SFT steps of sim-a (the training simulator)
+    vs_steps: int = 1800        # SFT steps of sim-a-vs (plain + VS answers)
+    sim_steps: int = 800        # SFT steps of the other simulators (ensemble and panel)
     policy_steps: int = 300     # SFT steps of the policy base
+    policy_skill: float = 0.2   # share of the policy base's acts copied from the best adaptive policy
     batch: int = 32
     lr: float = 3e-3
     seed: int = 0
     workers: int = 2            # processes that train models in parallel (1 thread each)
 
     def key(self) -> str:
-        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+        """The cache folder's name: a hash of everything the simulators depend on."""
+        fields = {k: v for k, v in asdict(self).items() if k != "policy_skill"}
+        return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+
+    def policy_name(self) -> str:
+        return "policy-base" if not self.policy_skill else f"policy-base-skill{self.policy_skill:g}"
 
 
 def vs_conversations(env: ToyEnv, world: World, transcripts, n: int, rng, k: int = 5):
@@ -121,27 +133,35 @@ class ToyModels:
         return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").float().eval()
 
     def names(self):
-        return ["policy-base"] + list(SIMULATORS)
+        # the longest job first, so that two workers finish at about the same time
+        return ["sim-a-vs", self.cfg.policy_name()] + [n for n in SIMULATORS if n != "sim-a-vs"]
 
     def train(self, name: str) -> str:
         """Train one model and save it; returns a log line. Runs in a worker process."""
         c = self.cfg
-        seed = c.seed + (100 if name == "policy-base" else list(SIMULATORS).index(name))
+        is_policy = name == c.policy_name()
+        seed = c.seed + (100 if is_policy else list(SIMULATORS).index(name))
         rng = np.random.default_rng(seed)
-        if name == "policy-base":
-            # a uniformly random persuader (so RL starts from the random policy)
+        if is_policy:
+            # a random persuader that, for a share `policy_skill` of its acts, does what the
+            # best adaptive policy would: a mediocre but not hopeless starting point
             world, steps = World(), c.policy_steps
-            transcripts = world.sample_transcripts(c.transcripts, rng, policy=lambda h: ACT_KEYS[rng.integers(len(ACT_KEYS))])
+            table = world.best_adaptive()[1]
+
+            def persuader(history):
+                if rng.random() < c.policy_skill:
+                    return table.get(history, "probe")
+                return ACT_KEYS[rng.integers(len(ACT_KEYS))]
+            transcripts = world.sample_transcripts(c.transcripts, rng, policy=persuader)
             conversations = self.env.sft_conversations(transcripts, role="agent")
         else:
             world = World(**SIMULATORS[name][1])
             env = ToyEnv(world)
             transcripts = world.sample_transcripts(c.transcripts, rng)
             conversations = env.sft_conversations(transcripts, role="partner")
-            steps = c.sim_steps
-            if name == "sim-a":
+            steps = {"sim-a": c.sim_a_steps, "sim-a-vs": c.vs_steps}.get(name, c.sim_steps)
+            if name == "sim-a-vs":
                 conversations += vs_conversations(env, world, transcripts, c.vs_examples, rng)
-                steps = c.sim_a_steps
         model = build_tiny_model(self.tokenizer, c.arch, c.hidden, c.layers, c.heads, seed=seed)
         losses = sft(model, self.tokenizer, conversations, steps=steps, batch_size=c.batch, lr=c.lr,
                      seed=seed, desc=f"sft {name}", progress=self.progress)
@@ -168,7 +188,7 @@ class ToyModels:
 
     def policy_base(self):
         self.build()
-        return self._load("policy-base")
+        return self._load(self.cfg.policy_name())
 
     def simulator(self, name: str):
         """(model, kind, world) for one simulator of SIMULATORS."""
@@ -188,3 +208,68 @@ def _worker_init():
 def _train_one(args):
     cache_dir, cfg, name = args
     return ToyModels(cache_dir, cfg, progress=False, log=lambda *a: None).train(name)
+
+
+def fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: int = 0,
+             vs_simulator=None) -> dict:
+    """How faithfully a simulator (a speaker) reproduces its world, where it matters.
+
+    exploit_lm / exploit_exact: the value of "big ask x3" inside the gamma-sharpened simulator,
+    sampled vs exact (lesson: sharpening magnifies simulator errors, so check this before RL).
+    tv: mean total variation between the simulator's reply distribution (sampled at
+    temperature 1) and the world's, at the histories the exploit and the probe pass through.
+    """
+    import copy as _copy
+
+    from .envs.base import Episode, Turn
+    from .envs.toy import ACTS, MAYBE, sharpened, total_variation
+    from .rollout import rollout
+
+    class BigAsk:
+        def respond(self, episodes, env):
+            return [Turn("agent", ACTS["big_ask"]) for _ in episodes]
+
+    env = ToyEnv(world)
+    torch.manual_seed(seed)
+    sharp = _copy.copy(simulator)
+    sharp.temperature = 1.0 / gamma
+    eps = rollout(env, env.tasks(), BigAsk(), sharp, episodes // len(env.tasks()))
+    exploit_lm = float(np.mean([e.reward for e in eps]))
+    exploit_exact = world.exact_value(lambda h: "big_ask", reply_dist=sharpened(world.reply_dist, gamma))
+    plain = _copy.copy(simulator)
+    plain.temperature = 1.0
+    big = ACTS["big_ask"]
+    tvs = []
+    for history in [(big,), (big, MAYBE, big), (big, MAYBE, big, MAYBE, big), (ACTS["probe"],)]:
+        for task in env.tasks():
+            batch = [Episode(task=task, group=0, turns=[Turn("agent" if i % 2 == 0 else "partner", u)
+                                                        for i, u in enumerate(history)]) for _ in range(episodes)]
+            counts = {}
+            for turn in plain.respond(batch, env):
+                counts[turn.text.strip()] = counts.get(turn.text.strip(), 0) + 1 / episodes
+            tvs.append(total_variation(world.reply_dist(task.persona, history), counts))
+    out = {"exploit_lm": exploit_lm, "exploit_exact": exploit_exact, "tv": float(np.mean(tvs))}
+    if vs_simulator is not None:
+        # the verbalized distribution itself (what the VS draw uses) vs the real users'
+        from .simulators import Verbalized
+        from .verbalized import draw, parse_candidates
+
+        vs = Verbalized(vs_simulator, k=5, seed=seed)
+        vs.speaker.temperature = 1.0 / gamma
+        vtv, fails = [], 0
+        for history in [(big,), (big, MAYBE, big), (big, MAYBE, big, MAYBE, big), (ACTS["probe"],)]:
+            for task in env.tasks():
+                ep = Episode(task=task, group=0, turns=[Turn("agent" if i % 2 == 0 else "partner", u)
+                                                        for i, u in enumerate(history)])
+                texts, _, _ = vs.speaker.generate([ep], env)
+                cands = parse_candidates(texts[0])
+                if not cands:
+                    fails += 1
+                    continue
+                _, dist = draw(cands, __import__("random").Random(0))
+                stated = {}
+                for c, p in zip(cands, dist):
+                    stated[c.text.strip()] = stated.get(c.text.strip(), 0.0) + p
+                vtv.append(total_variation(world.reply_dist(task.persona, history), stated))
+        out.update(vs_tv=float(np.mean(vtv)) if vtv else float("nan"), vs_parse_failures=fails)
+    return out

@@ -64,9 +64,11 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     mask, old = batch.loss_mask.to(device), batch.old_logp.to(device)
     weights = aggregation_weights(mask, cfg.aggregation)                         # [B, T-1]
     ref = None
-    if cfg.beta:
+    if cfg.beta:   # the reference model = the base with adapters disabled (micro-batched too)
         with torch.no_grad():
-            ref = sequence_logprobs(model, ids, attn, cfg.temperature, adapter=None)
+            ref = torch.cat([sequence_logprobs(model, ids[s:s + cfg.micro_batch], attn[s:s + cfg.micro_batch],
+                                               cfg.temperature, adapter=None)
+                             for s in range(0, ids.shape[0], cfg.micro_batch)])
     trainable_parameters(model, adapter)
     model.train()
     sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}

@@ -6,7 +6,7 @@ import pytest
 from minscope import experiment, report
 from minscope.toy_models import ToyModelConfig
 
-TINY_MODELS = ToyModelConfig(hidden=32, vocab=640, transcripts=120, vs_examples=40, sim_a_steps=10,
+TINY_MODELS = ToyModelConfig(hidden=32, vocab=640, transcripts=120, vs_examples=40, sim_a_steps=10, vs_steps=10,
                              sim_steps=5, policy_steps=5, batch=8, workers=1)
 
 
