@@ -22,6 +22,10 @@ import argparse
 import json
 from pathlib import Path
 
+from minscope.models import quiet
+
+quiet()
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,7 +65,8 @@ def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) ->
                 m = toy.method(method, seed)
                 load_adapter_state(m.policy.model, "policy", state["policy"])
                 torch.manual_seed(seed)
-                res = evaluate_panel(toy.env, m.policy, toy.panel(seed), toy.env.tasks(), episodes)
+                res = evaluate_panel(toy.env, m.policy, toy.panel(seed), toy.env.tasks(), episodes,
+                                     policy_temperature=cfg.eval_temperature)
                 rec = {"method": method, "seed": seed, "checkpoint": which, "step": state["step"],
                        **{k: v["mean"] for k, v in res.items()}}
                 if meter and which == "final":

@@ -19,6 +19,10 @@ import sys
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
+from minscope.models import quiet
+
+quiet()
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

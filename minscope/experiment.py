@@ -62,6 +62,10 @@ class ToyConfig:
     vs_k: int = 5
     eval_every: int = 10
     eval_episodes: int = 8                # per persona per panel member (real users: x4)
+    # The paper evaluates at temperature 0. A 64-wide policy's greedy decode can splice two
+    # acts into one invalid utterance (it did, for 2 of 6 runs at the last step, while its
+    # samples were valid), so the toy evaluates the policy it trains: sampling at temperature 1.
+    eval_temperature: float = 1.0
     meter_every: int = 30                 # collapse meter cadence (0 = off)
     temperature: float = 1.0              # policy sampling temperature in training
     workers: int = 2                      # arms trained in parallel, one CPU thread each
@@ -208,9 +212,10 @@ def eval_record(toy: Toy, m: Method, method: str, seed: int, step: int) -> dict:
     c = toy.cfg
     rec = {"kind": "eval", "method": method, "seed": seed, "step": step}
     panel = toy.panel(seed * 1000 + step)
+    t = c.eval_temperature
     res = evaluate_panel(toy.env, m.policy, {"real_users": panel.pop("real_users")}, toy.env.tasks(),
-                         c.eval_episodes * 4)
-    res.update(evaluate_panel(toy.env, m.policy, panel, toy.env.tasks(), c.eval_episodes))
+                         c.eval_episodes * 4, policy_temperature=t)
+    res.update(evaluate_panel(toy.env, m.policy, panel, toy.env.tasks(), c.eval_episodes, policy_temperature=t))
     for name, r in res.items():
         rec[name] = r["mean"]
         if "ci95" in r:

@@ -40,6 +40,23 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
+def quiet():
+    """Silence library chatter that says nothing to a minscope user (deprecation notices of
+    transformers/peft internals, weight-loading progress bars). Called by train.py/eval.py."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
 # --------------------------------------------------------------------------- tokenizers
 def build_tokenizer(corpus, vocab_size: int = 512):
     """Train a byte-level BPE tokenizer (the kind Qwen/Llama use) on `corpus` offline.

@@ -180,7 +180,7 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
             f"{fmt(r['train_reward']['first'], 2)} → {fmt(r['train_reward']['last'], 2)} | "
             f"{fmt(r['entropy']['first'], 2)} → {fmt(r['entropy']['last'], 2)} | "
             f"{fmt(r['zero_variance']['first'], 2)} → {fmt(r['zero_variance']['last'], 2)} | {r['top_sequence']} |")
-    lines += ["", "Final = last evaluation (policy at temperature 0), averaged over seeds; CI from a two-level "
+    lines += ["", "Final = last evaluation (the policy sampling at its training temperature), averaged over seeds; CI from a two-level "
               "bootstrap (seeds, then episodes). Best = each seed's best evaluation, averaged. "
               "'At best panel ckpt' = the real-user score of the checkpoint with the best mean over the six "
               "simulators (what the paper keeps).", ""]
