@@ -105,6 +105,7 @@ def plots(records, out_dir: Path) -> list[str]:
               ("train", "policy_entropy", "policy entropy (nats/token)"),
               ("train", "zero_var_frac", "zero-variance groups")]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    colors = {m: f"C{i}" for i, m in enumerate(data)}      # one colour per method, every panel
     for ax, (kind, key, title) in zip(axes.flat, panels):
         for method, seeds in data.items():
             series = [d[kind] for d in seeds.values() if d[kind]]
@@ -113,12 +114,11 @@ def plots(records, out_dir: Path) -> list[str]:
             n = min(len(s) for s in series)
             steps = [r["step"] for r in series[0][:n]]
             vals = np.array([[r[key] for r in s[:n]] for s in series])
-            if kind == "train" and n > 5:   # light smoothing of noisy per-step values
-                kernel = np.ones(3) / 3
-                vals = np.array([np.convolve(v, kernel, mode="same") for v in vals])
-            line, = ax.plot(steps, vals.mean(0), label=label(method))
+            if kind == "train" and n > 5:   # light smoothing of noisy per-step values (edge-padded)
+                vals = np.array([np.convolve(np.pad(v, 1, mode="edge"), np.ones(3) / 3, mode="valid") for v in vals])
+            ax.plot(steps, vals.mean(0), label=label(method), color=colors[method])
             if len(vals) > 1:
-                ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.15, color=line.get_color())
+                ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.15, color=colors[method])
         ax.set_title(title)
         ax.set_xlabel("policy step")
     axes.flat[0].legend(fontsize=8)
@@ -133,15 +133,17 @@ def plots(records, out_dir: Path) -> list[str]:
     if meter:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for method in data:
-            pts = sorted((s, v) for m, s, v in meter if m == method)
+            pts = sorted(((s, v) for m, s, v in meter if m == method), key=lambda p: p[0])
             if not pts:
                 continue
             by_step = defaultdict(list)
             for s, v in pts:
                 by_step[s].append(v)
             xs = sorted(by_step)
-            axes[0].plot(xs, [np.mean([v["sim_side_var"] for v in by_step[x]]) for x in xs], "o-", label=label(method))
-            axes[1].plot(xs, [np.mean([v["mode_prob"] for v in by_step[x]]) for x in xs], "o-", label=label(method))
+            axes[0].plot(xs, [np.mean([v["sim_side_var"] for v in by_step[x]]) for x in xs], "o-",
+                         label=label(method), color=f"C{list(data).index(method)}")
+            axes[1].plot(xs, [np.mean([v["mode_prob"] for v in by_step[x]]) for x in xs], "o-",
+                         label=label(method), color=f"C{list(data).index(method)}")
         axes[0].set_title("simulator-side reward variance E_agent[Var_sim R]")
         axes[1].set_title("simulator mode probability at visited histories")
         axes[0].legend(fontsize=8)
