@@ -14,7 +14,11 @@ We estimate each part by *replaying* one side's sampled turns verbatim and resam
 the other side: a mode-collapsed simulator gives near-zero simulator-side variance. We also
 estimate the simulator's per-turn mode probability: how often repeated samples at the same
 visited history give the same reply. (Replaying is open-loop: the fixed side does not react
-to the resampled side. That is the standard way to isolate one source of randomness.)
+to the resampled side. That is the standard way to isolate one source of randomness. Where
+the reward is read off the simulator's words — the toy and P4G, whose reward is the donation
+the persuadee states — replaying the simulator fixes the reward, so the agent-side term is 0
+by construction there; it is informative where the reward depends on the agent's actions,
+as in tau2-bench.)
 """
 
 from __future__ import annotations
