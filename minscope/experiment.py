@@ -32,7 +32,7 @@ from .methods import Method, build_method, train_step
 from .models import adapter_state, add_adapters, load_adapter_state
 from .rollout import LMSpeaker
 from .simulators import Frozen, Population, Verbalized
-from .toy_models import SIMULATORS, ToyModelConfig, ToyModels, fidelity
+from .toy_models import SIMULATORS, ToyModelConfig, ToyModels, worker_init, fidelity
 from .trainer import UpdateConfig
 
 TOY_METHODS = ("base", "single", "vs", "ensemble", "cotrain", "population", "oracle")
@@ -361,7 +361,8 @@ def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bo
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         log(f"training {len(jobs)} arms in {cfg.workers} processes ...")
-        with ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn"),
+                                 initializer=worker_init) as pool:
             futures = [pool.submit(_arm_worker, (cfg, str(cache_dir), str(run_dir), m, s, stop_after))
                        for m, s in jobs]
             bar = tqdm(as_completed(futures), total=len(futures), desc="arms", disable=not progress)

@@ -182,7 +182,7 @@ class ToyModels:
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(self.cfg.workers, mp_context=mp.get_context("spawn"),
-                                 initializer=_worker_init) as pool:
+                                 initializer=worker_init) as pool:
             for line in pool.map(_train_one, [(str(self.dir.parent), self.cfg, n) for n in missing]):
                 self.log(line)
 
@@ -201,8 +201,16 @@ class ToyModels:
         return self.policy_base(), {name: self.simulator(name) for name in SIMULATORS}
 
 
-def _worker_init():
+def worker_init():
+    """Set up a worker process: one CPU thread, and exit when the parent process dies."""
     torch.set_num_threads(1)   # several small processes beat one process fighting for cores
+    try:                       # Linux: a killed parent must not leave workers running
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _train_one(args):
