@@ -4,7 +4,8 @@ With no arguments this runs the toy persuasion experiment on CPU (or GPU), offli
 language models are trained from scratch and cached, then Base, RL (Single), Verbalized
 Sampling, Ensemble, Co-Training, Population Co-Training and an oracle arm are trained for
 3 seeds each and evaluated on a held-out panel. Results land in runs/<name>/
-(report.md, results.json, plots). `--quick` does the same in a couple of minutes.
+(report.md, results.json, plots). `--quick` runs the same code path in about three minutes
+(1 seed, 4 arms, small models: a smoke run, too small to show the effect).
 
 Real models and benchmarks:
     python train.py --env p4g --data PATH --policy Qwen/Qwen3-1.7B --simulator Qwen/Qwen3-1.7B --method vs
@@ -28,7 +29,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--env", default="toy", choices=["toy", "p4g", "tau2", "wordgame"],
                    help="environment (default: the built-in toy persuasion experiment)")
-    p.add_argument("--quick", action="store_true", help="toy: a ~2 minute version of the default run")
+    p.add_argument("--quick", action="store_true", help="toy: a ~3 minute smoke run of the same code path (too small to show the effect)")
     p.add_argument("--name", help="run name: results go to RUNS_DIR/NAME (default: toy / toy-quick / env-method)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its saved state")
     p.add_argument("--runs-dir", default="runs", help="where runs are written (default: runs)")
@@ -61,6 +62,7 @@ def parse_args(argv=None):
 
 def run_toy(args):
     from minscope import experiment, report
+    from minscope.report import fmt
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -96,7 +98,7 @@ def run_toy(args):
         h = r["heldout"]["real_users"]
         print(f"{r['label']:34s} {h['final_mean']:16.3f} {h['best_mean']:6.3f} "
               f"{r['heldout']['unseen']['final_mean']:7.3f} "
-              f"{r['train_reward']['first'] or 0:8.2f} -> {r['train_reward']['last'] or 0:.2f}")
+              f"{fmt(r['train_reward']['first'], 2):>8s} -> {fmt(r['train_reward']['last'], 2)}")
     print(f"reference: random {reference['random']:.3f}, best fixed {reference['best_fixed']:.3f}, "
           f"best adaptive {reference['best_adaptive']:.3f}")
 
