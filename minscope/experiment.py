@@ -26,13 +26,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .envs.toy import RealUsers, SharpenedUsers, ToyEnv, World
+from .envs.toy import RealUsers, ToyEnv, World
 from .evaluate import collapse_meter, evaluate_panel
 from .methods import Method, build_method, train_step
 from .models import adapter_state, add_adapters, load_adapter_state
 from .rollout import LMSpeaker
 from .simulators import Frozen, Population, Verbalized
-from .toy_models import SIMULATORS, ToyModelConfig, ToyModels, worker_init, fidelity
+from .toy_models import ToyModelConfig, ToyModels, fidelity, worker_init
 from .trainer import UpdateConfig
 
 TOY_METHODS = ("base", "single", "vs", "ensemble", "cotrain", "population", "oracle")

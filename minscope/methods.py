@@ -24,7 +24,7 @@ import torch
 
 from .grpo import group_advantages, simulator_rewards
 from .rollout import LMSpeaker, rollout
-from .simulators import Ensemble, Frozen, PersonaGuided, Population, Trainable, Verbalized
+from .simulators import Ensemble, PersonaGuided, Population, Trainable, Verbalized
 from .trainer import UpdateConfig, grpo_update, make_optimizer
 
 METHODS = ("single", "vs", "ensemble", "persona", "cotrain", "population", "selfplay",
