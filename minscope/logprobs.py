@@ -27,9 +27,9 @@ tokens of a function of each token's own log-prob, so its derivative g = dloss/d
 known as soon as a chunk's log-probs are: the forward computes the gradient w.r.t. x
 (and W) on the spot and the backward only scales it. With the torch backend that is two
 matmuls per chunk (logits, dx) instead of three (logits, recomputed logits, dx), at the
-price of holding the fp32 logits of one chunk. The triton backend still runs three (its
-forward kernel keeps no logits, its gradient kernel recomputes them), but all in the
-forward pass, so nothing besides dx has to be kept for the backward.
+price of holding the fp32 logits of one chunk. The triton backend does the same: its
+statistics kernel also writes the chunk's logits, and one elementwise kernel turns them
+into the gradient. Nothing besides dx (and dW) has to be kept for the backward.
 
 The gradient w.r.t. W is summed over row chunks in fp32 and only cast to W's dtype at the
 end. The weight is usually frozen (LoRA); tiny models trained from scratch do need it.
@@ -328,7 +328,10 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
                     entropy[rows] = ent
                 del z
             else:
-                lp, lse, ent = _chunk_stats(x_c, weight, y_c, temperature, want_entropy, backend)
+                # the kernel stores the chunk's logits from the tiles it computes anyway
+                from . import triton_logprobs
+                lp, lse, ent, z = triton_logprobs.softmax_stats(x_c, weight, y_c, temperature,
+                                                                return_logits=True)
                 if want_entropy:
                     entropy[rows] = ent
             logp[rows] = lp
@@ -340,10 +343,10 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
                 if backend == "torch":
                     g = _probs_to_logit_grad(probs, y_c, dlogp, temperature, x.dtype)
                 else:
-                    g = _chunk_logit_grad(x_c, weight, y_c, lse, dlogp, temperature, backend)
+                    g = triton_logprobs.grad_from_logits(z, y_c, lse, dlogp, temperature, x.dtype)
                 grads.add(rows, x_c, g)
                 del g
-            probs = None    # free this chunk's [C, V] block before the next one is made
+            probs = z = None    # free this chunk's [C, V] blocks before the next one is made
         dx, dw = grads.result()
         ctx.save_for_backward(dx, dw)
         ctx.mark_non_differentiable(*([logp, entropy] if want_entropy else [logp]))

@@ -4,21 +4,21 @@
 the rest of minscope never needs Triton. Notation, for N rows, hidden size H, vocab V:
 
     x [N, H] hidden states, W [V, H] LM head, y [N] target ids, T temperature
-    z = x @ W.T / T                         [N, V]   never stored by the forward kernel
+    z = x @ W.T / T                         [N, V]   stored only for the fused GRPO loss
     lse = logsumexp(z)                      [N]
     logp = z[y] - lse                       [N]
     entropy = lse - sum_v softmax(z)_v z_v  [N]
 
-Two kernels:
+Three kernels:
 
 * `_softmax_stats_kernel` (forward). One program owns BLOCK_N rows and one slice of the
   vocabulary. For each [BLOCK_N, BLOCK_V] tile it computes z with `tl.dot` over H, then,
   while the tile is still in registers, updates the online softmax state of each row:
   running max m, sum of exp(z - m), sum of exp(z - m) * z (for the entropy) and the target
-  logit. Nothing of size [N, V] touches memory. Splitting the vocabulary over programs keeps
+  logit. Nothing of size [N, V] touches memory (unless STORE_Z, below). Splitting the vocabulary over programs keeps
   the GPU busy when N is small; the per-split states [N, S] are merged in PyTorch (tiny).
 
-* `_logit_grad_kernel` (backward / fused GRPO). One program owns one [BLOCK_N, BLOCK_V]
+* `_logit_grad_kernel` (backward of `token_logprobs`). One program owns one [BLOCK_N, BLOCK_V]
   tile: it recomputes z with `tl.dot`, and in the same registers forms the gradient w.r.t.
   the raw logits x @ W.T,
 
@@ -29,6 +29,13 @@ Two kernels:
   dx is [BLOCK_N, H] with H = 1024..4096 here, far more than fits in registers (attention
   gets away with it because its head dim is <= 256). So the backward holds one [chunk, V]
   tile of G in the input dtype; `logprobs` walks the rows chunk by chunk.
+  Logits, recomputed logits, dx: three matmuls.
+
+* `_grad_from_logits_kernel` (fused GRPO loss). There the upstream gradient dlogp is known
+  in the forward pass, right after a chunk's statistics, so the statistics kernel also
+  stores the chunk's fp32 logits (STORE_Z) and this elementwise kernel turns them into G in
+  one read and one write -- no recomputation: two matmuls (logits, dx), for the price of
+  holding [chunk, V] fp32 logits plus G (0.9 GB at 1,024 x 151,936).
 
 Tile sizes come from `tile_config`: ordinary bf16 GEMM tiles (128 x 128 output tiles
 where shared memory allows, as on Hopper and A100; 64 x 128 on consumer GPUs with
@@ -73,11 +80,14 @@ def _logits_tile(x_ptr, w_ptr, rows, cols, N, V, H, stride_x, stride_w, inv_temp
 
 
 @triton.jit
-def _softmax_stats_kernel(x_ptr, w_ptr, y_ptr, max_ptr, sumexp_ptr, sumexpz_ptr, target_ptr,
-                          N, V, H, stride_x, stride_w, inv_temp, v_per_split, n_splits,
+def _softmax_stats_kernel(x_ptr, w_ptr, y_ptr, max_ptr, sumexp_ptr, sumexpz_ptr, target_ptr, z_ptr,
+                          N, V, H, stride_x, stride_w, stride_z, inv_temp, v_per_split, n_splits,
                           BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                          DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    """Online softmax state of BLOCK_N rows over one vocab slice -> partials [N, n_splits]."""
+                          DOT_FP32: tl.constexpr, IEEE: tl.constexpr, STORE_Z: tl.constexpr):
+    """Online softmax state of BLOCK_N rows over one vocab slice -> partials [N, n_splits].
+
+    STORE_Z: also write the fp32 logits tile to z_ptr (for the fused GRPO loss, whose
+    gradient then needs no second logits matmul)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)     # [BLOCK_N]
@@ -98,6 +108,9 @@ def _softmax_stats_kernel(x_ptr, w_ptr, y_ptr, max_ptr, sumexp_ptr, sumexpz_ptr,
         col_ok = cols < v_end
         z = _logits_tile(x_ptr, w_ptr, rows, cols, N, V, H, stride_x, stride_w, inv_temp,
                          BLOCK_N, BLOCK_V, BLOCK_H, DOT_FP32, IEEE)   # [BLOCK_N, BLOCK_V]
+        if STORE_Z:
+            tl.store(z_ptr + rows[:, None] * stride_z + cols[None, :], z,
+                     mask=row_ok[:, None] & col_ok[None, :])
         z = tl.where(col_ok[None, :], z, float("-inf"))
         # the softmax epilogue, on the tile still in registers
         m_new = tl.maximum(m, tl.max(z, axis=1))
@@ -144,6 +157,23 @@ def _logit_grad_kernel(x_ptr, w_ptr, y_ptr, lse_ptr, dlogp_ptr, g_ptr,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _grad_from_logits_kernel(z_ptr, y_ptr, lse_ptr, dlogp_ptr, g_ptr, N, V, stride_z, stride_g, inv_temp,
+                             BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """G = dlogp * (onehot(y) - exp(z - lse)) / T from stored fp32 logits: one read, one write."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < N
+    mask = row_ok[:, None] & (cols[None, :] < V)
+    y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    dlogp = tl.load(dlogp_ptr + rows, mask=row_ok, other=0.0)
+    z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0)
+    onehot = (cols[None, :] == y[:, None]).to(tl.float32)
+    grad = (dlogp * inv_temp)[:, None] * (onehot - tl.exp(z - lse[:, None]))
+    tl.store(g_ptr + rows[:, None] * stride_g + cols[None, :], grad.to(g_ptr.dtype.element_ty), mask=mask)
+
+
 # ------------------------------------------------------------------------------ launchers
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -187,11 +217,13 @@ def _vocab_splits(n_rows: int, n_vocab: int, device: torch.device, block_n: int,
 
 
 def softmax_stats(hidden, weight, targets, temperature: float = 1.0, v_splits: int | None = None,
-                  config: dict | None = None):
+                  config: dict | None = None, return_logits: bool = False):
     """(logp [N], lse [N], entropy [N]) in fp32, without building [N, V] logits.
 
     hidden [N, H] and weight [V, H] share a dtype and have a contiguous last dim;
     targets [N] int64 ids in [0, V). `config` overrides entries of `kernel_config`.
+    return_logits: also return the fp32 logits z [N, V], written by the same kernel from the
+    tiles it computes anyway (what `grad_from_logits` needs).
     """
     cfg = {**kernel_config(hidden.device, hidden.dtype), **(config or {})}
     hidden, weight, targets = _unit_stride(hidden), _unit_stride(weight), targets.contiguous()
@@ -203,13 +235,16 @@ def softmax_stats(hidden, weight, targets, temperature: float = 1.0, v_splits: i
     splits = triton.cdiv(v, v_per_split)
     partial = torch.empty(4, n, splits, dtype=torch.float32, device=hidden.device)
     run_max, sumexp, sumexpz, z_target = partial                       # each [N, S]
+    # without return_logits, z_ptr is a dummy the kernel never touches (STORE_Z=False)
+    z = torch.empty(n, v, dtype=torch.float32, device=hidden.device) if return_logits else run_max
     dot_fp32, ieee = _dot_flags(hidden.dtype)
     grid = (triton.cdiv(n, cfg["block_n"]), splits)
     _softmax_stats_kernel[grid](
-        hidden, weight, targets, run_max, sumexp, sumexpz, z_target,
-        n, v, h, hidden.stride(0), weight.stride(0), 1.0 / temperature, v_per_split, splits,
+        hidden, weight, targets, run_max, sumexp, sumexpz, z_target, z,
+        n, v, h, hidden.stride(0), weight.stride(0), z.stride(0), 1.0 / temperature, v_per_split, splits,
         BLOCK_N=cfg["block_n"], BLOCK_V=cfg["block_v"], BLOCK_H=cfg["block_h"],
-        DOT_FP32=dot_fp32, IEEE=ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        DOT_FP32=dot_fp32, IEEE=ieee, STORE_Z=return_logits,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     # merge the per-split states: bring every split to the common max, then add up
     m = run_max.max(dim=1).values                                      # [N]
@@ -219,7 +254,21 @@ def softmax_stats(hidden, weight, targets, temperature: float = 1.0, v_splits: i
     lse = m + torch.log(s)
     logp = z_target.sum(dim=1) - lse
     entropy = lse - t / s
+    if return_logits:
+        return logp, lse, entropy, z
     return logp, lse, entropy
+
+
+def grad_from_logits(z, targets, lse, dlogp, temperature: float = 1.0, dtype=torch.float32,
+                     block_n: int = 32, block_v: int = 256):
+    """G [N, V] in `dtype`: `logit_grad`'s result from stored fp32 logits z [N, V] (no matmul)."""
+    n, v = z.shape
+    grad = torch.empty(n, v, dtype=dtype, device=z.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(v, block_v))
+    _grad_from_logits_kernel[grid](z, targets.contiguous(), lse.float().contiguous(),
+                                   dlogp.float().contiguous(), grad, n, v, z.stride(0), grad.stride(0),
+                                   1.0 / temperature, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=4)
+    return grad
 
 
 def logit_grad(hidden, weight, targets, lse, dlogp, temperature: float = 1.0,

@@ -76,6 +76,13 @@ def interpreter_checks() -> dict:
         onehot = torch.nn.functional.one_hot(targets, 300).float()
         out[f"{name}/logit_grad_dtype_ok"] = float(grad.dtype == dtype)
         out[f"{name}/logit_grad_rel"] = rel(grad, dlogp[:, None] * (onehot - log_p.exp()) / temperature)
+        # the fused GRPO path: the same kernel also stores the logits, G comes from them
+        *stats, z = triton_logprobs.softmax_stats(x, w, targets, temperature, v_splits=3,
+                                                  config=SMALL_TILES, return_logits=True)
+        out[f"{name}/stored_logits"] = err(z, x.float() @ w.float().T / temperature)
+        out[f"{name}/stored_stats_same"] = max(err(a, b) for a, b in zip(stats, (logp, lse, entropy)))
+        grad2 = triton_logprobs.grad_from_logits(z, targets, lse, dlogp, temperature, dtype, block_n=8, block_v=64)
+        out[f"{name}/grad_from_logits_rel"] = rel(grad2, dlogp[:, None] * (onehot - log_p.exp()) / temperature)
 
     # --- token_logprobs: triton backend vs torch backend (fp32 maths on the same values)
     for dtype in (torch.float32, torch.bfloat16):
@@ -138,32 +145,42 @@ def compile_checks() -> dict:
     ints = dict(N="i32", V="i32", H="i32", stride_x="i32", stride_w="i32")
     tiles = dict(BLOCK_N="constexpr", BLOCK_V="constexpr", BLOCK_H="constexpr",
                  DOT_FP32="constexpr", IEEE="constexpr")
-    kernels = {
-        "stats": (triton_logprobs._softmax_stats_kernel, lambda t: dict(
+    stats_sig = lambda t: dict(  # noqa: E731
             x_ptr=f"*{t}", w_ptr=f"*{t}", y_ptr="*i64", max_ptr="*fp32", sumexp_ptr="*fp32",
-            sumexpz_ptr="*fp32", target_ptr="*fp32", **ints, inv_temp="fp32", v_per_split="i32",
-            n_splits="i32", **tiles)),
+            sumexpz_ptr="*fp32", target_ptr="*fp32", z_ptr="*fp32", **ints, stride_z="i32",
+            inv_temp="fp32", v_per_split="i32", n_splits="i32", **tiles, STORE_Z="constexpr")
+    kernels = {   # name: (kernel, signature, extra constexprs)
+        "stats": (triton_logprobs._softmax_stats_kernel, stats_sig, dict(STORE_Z=False)),
+        "stats_store_z": (triton_logprobs._softmax_stats_kernel, stats_sig, dict(STORE_Z=True)),
         "grad": (triton_logprobs._logit_grad_kernel, lambda t: dict(
             x_ptr=f"*{t}", w_ptr=f"*{t}", y_ptr="*i64", lse_ptr="*fp32", dlogp_ptr="*fp32",
-            g_ptr=f"*{t}", **ints, stride_g="i32", inv_temp="fp32", **tiles)),
+            g_ptr=f"*{t}", **ints, stride_g="i32", inv_temp="fp32", **tiles), {}),
     }
     # what Triton's launcher assumes at real shapes (H, V, strides multiples of 16)
-    aligned = {"x_ptr", "w_ptr", "g_ptr", "H", "V", "stride_x", "stride_w", "stride_g", "v_per_split"}
+    aligned = {"x_ptr", "w_ptr", "g_ptr", "z_ptr", "H", "V", "stride_x", "stride_w", "stride_g", "stride_z",
+               "v_per_split"}
     out = {}
     for arch, shared in SHARED_MEMORY.items():
         for dtype, ttype in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
             cfg = triton_logprobs.tile_config(shared, dtype)
-            for name, (kernel, signature) in kernels.items():
+            for name, (kernel, signature, extra) in kernels.items():
                 sig = signature(ttype)
                 attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(sig) if arg in aligned}
                 src = ASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=dict(
                     BLOCK_N=cfg["block_n"], BLOCK_V=cfg["block_v"], BLOCK_H=cfg["block_h"],
-                    DOT_FP32=False, IEEE=dtype == torch.float32))
+                    DOT_FP32=False, IEEE=dtype == torch.float32, **extra))
                 compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                           options=dict(num_warps=cfg["num_warps"],
                                                        num_stages=cfg["num_stages"]))
                 out[f"sm{arch}/{ttype}/{name}/shared"] = compiled.metadata.shared
                 out[f"sm{arch}/{ttype}/{name}/mma"] = compiled.asm["ptx"].count("mma")
+            # the elementwise kernel of the fused GRPO path: no dot, just that it lowers
+            src = ASTSource(fn=triton_logprobs._grad_from_logits_kernel, signature=dict(
+                z_ptr="*fp32", y_ptr="*i64", lse_ptr="*fp32", dlogp_ptr="*fp32", g_ptr=f"*{ttype}",
+                N="i32", V="i32", stride_z="i32", stride_g="i32", inv_temp="fp32",
+                BLOCK_N="constexpr", BLOCK_V="constexpr"), constexprs=dict(BLOCK_N=32, BLOCK_V=256))
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+            out[f"sm{arch}/{ttype}/grad_from_logits/ptx_lines"] = compiled.asm["ptx"].count("\n")
     return out
 
 
@@ -206,6 +223,14 @@ def test_logit_grad_kernel_matches_softmax_gradient(errors, case, tol):
     assert errors[f"kernels/{case}/logit_grad_rel"] < tol
 
 
+@pytest.mark.parametrize("case,tol", [("float32/T=1.0", FP32_TOL), ("float32/T=0.7", FP32_TOL),
+                                      ("bfloat16/T=0.7", BF16_GRAD_REL)])
+def test_stored_logits_give_the_same_gradient_without_a_second_matmul(errors, case, tol):
+    assert errors[f"kernels/{case}/stored_logits"] < 1e-4
+    assert errors[f"kernels/{case}/stored_stats_same"] == 0.0
+    assert errors[f"kernels/{case}/grad_from_logits_rel"] < tol
+
+
 @pytest.mark.parametrize("dtype,grad_tol", [("float32", FP32_TOL), ("bfloat16", BF16_GRAD_REL)])
 def test_triton_token_logprobs_match_torch_path(errors, dtype, grad_tol):
     name = f"token_logprobs/{dtype}"
@@ -228,13 +253,19 @@ def test_triton_fused_grpo_matches_torch_path(errors, dtype, grad_tol):
 
 @pytest.mark.parametrize("arch", sorted(SHARED_MEMORY))
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("kernel", ["stats", "grad"])
+@pytest.mark.parametrize("kernel", ["stats", "stats_store_z", "grad"])
 def test_kernels_compile_and_fit_in_shared_memory(compiled, arch, dtype, kernel):
     assert 0 < compiled[f"sm{arch}/{dtype}/{kernel}/shared"] <= SHARED_MEMORY[arch]
 
 
 @pytest.mark.parametrize("arch", sorted(SHARED_MEMORY))
-@pytest.mark.parametrize("kernel", ["stats", "grad"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_elementwise_gradient_kernel_compiles(compiled, arch, dtype):
+    assert compiled[f"sm{arch}/{dtype}/grad_from_logits/ptx_lines"] > 10
+
+
+@pytest.mark.parametrize("arch", sorted(SHARED_MEMORY))
+@pytest.mark.parametrize("kernel", ["stats", "stats_store_z", "grad"])
 def test_bf16_kernels_use_tensor_core_mma(compiled, arch, kernel):
     assert compiled[f"sm{arch}/bf16/{kernel}/mma"] > 0
 
