@@ -54,30 +54,29 @@ def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) ->
 
     toy = experiment.Toy(cfg, cache_dir, progress=False)
     rows, out = [], (run_dir / "eval.jsonl").open("w")
-    for method in cfg.methods:
-        for seed in cfg.seeds:
-            arm = experiment.arm_name(method, seed)
-            for which in ("final", "best"):
-                path = run_dir / "arms" / (f"{arm}.pt" if which == "final" else f"{arm}.best.pt")
-                if not path.exists():
-                    continue
-                state = torch.load(path, weights_only=False)
-                m = toy.method(method, seed)
-                load_adapter_state(m.policy.model, "policy", state["policy"])
-                torch.manual_seed(seed)
-                res = evaluate_panel(toy.env, m.policy, toy.panel(seed), toy.env.tasks(), episodes,
-                                     policy_temperature=cfg.eval_temperature)
-                rec = {"method": method, "seed": seed, "checkpoint": which, "step": state["step"],
-                       **{k: v["mean"] for k, v in res.items()}}
-                if meter and which == "final":
-                    rec["meter"] = collapse_meter(toy.env, m.policy, toy.frozen["sim-a"], toy.env.tasks())
-                out.write(json.dumps(rec) + "\n")
-                rows.append(rec)
+    for method, seed in cfg.arms():
+        arm = experiment.arm_name(method, seed)
+        for which in ("final", "best"):
+            path = run_dir / "arms" / (f"{arm}.pt" if which == "final" else f"{arm}.best.pt")
+            if not path.exists():
+                continue
+            state = torch.load(path, weights_only=False)
+            m = toy.method(method, seed)
+            load_adapter_state(m.policy.model, "policy", state["policy"])
+            torch.manual_seed(seed)
+            res = evaluate_panel(toy.env, m.policy, toy.panel(seed), toy.env.tasks(), episodes,
+                                 policy_temperature=cfg.eval_temperature)
+            rec = {"method": method, "seed": seed, "checkpoint": which, "step": state["step"],
+                   **{k: v["mean"] for k, v in res.items()}}
+            if meter and which == "final":
+                rec["meter"] = collapse_meter(toy.env, m.policy, toy.frozen["sim-a"], toy.env.tasks())
+            out.write(json.dumps(rec) + "\n")
+            rows.append(rec)
     out.close()
     lines = ["## Re-evaluation of saved checkpoints (`python eval.py`)", "",
              f"{episodes} episodes per persona per panel member; mean over seeds.", "",
              "| method | checkpoint | real users | seen sims | unseen sims |", "|---|---|---|---|---|"]
-    for method in cfg.methods:
+    for method in dict.fromkeys(m for m, _ in cfg.arms()):
         for which in ("final", "best"):
             rs = [r for r in rows if r["method"] == method and r["checkpoint"] == which]
             if rs:

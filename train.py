@@ -36,6 +36,11 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", default=".cache/minscope", help="toy: where the tiny models are cached")
     p.add_argument("--methods", help="toy: comma-separated arms (default: all). Choices: "
                    "base,single,vs,ensemble,cotrain,population,oracle")
+    p.add_argument("--ablations", help="toy: comma-separated Co-Training variants run with seed 0 "
+                   "(default: cotrain:adversarial,cotrain:anchor,cotrain:group,population:anchor; "
+                   "none when --methods is given; 'none' for none). Variants after the colon: "
+                   "adversarial|cooperative|curriculum (simulator reward), anchor (realism anchor: "
+                   "BC on real transcripts), group (group-wise simulator baseline), joined by '+'")
     p.add_argument("--seeds", help="toy: comma-separated seeds (default: 0,1,2)")
     p.add_argument("--steps", type=int, help="policy updates per arm")
     p.add_argument("--workers", type=int, help="toy: arms trained in parallel processes, one CPU "
@@ -78,6 +83,9 @@ def run_toy(args):
             over["name"] = args.name
         if args.methods:
             over["methods"] = tuple(m.strip() for m in args.methods.split(","))
+            over["ablations"] = ()          # only what was asked for, unless --ablations says more
+        if args.ablations is not None:
+            over["ablations"] = tuple(m.strip() for m in args.ablations.split(",") if m.strip() not in ("", "none"))
         if args.seeds:
             over["seeds"] = tuple(int(s) for s in args.seeds.split(","))
         if args.steps is not None:

@@ -44,6 +44,9 @@ class ToyConfig:
     name: str = "toy"
     methods: tuple = TOY_METHODS          # "base" = the untrained policy, evaluated only
     seeds: tuple = (0, 1, 2)
+    # Co-Training variants (see Toy.method), run for `ablation_seeds` only
+    ablations: tuple = ("cotrain:adversarial", "cotrain:anchor", "cotrain:group", "population:anchor")
+    ablation_seeds: tuple = (0,)
     steps: int = 50                       # policy updates per arm
     groups: int = 8                       # rollout groups per step (tasks = personas, cycled)
     group_size: int = 8                   # G trajectories per group
@@ -71,13 +74,18 @@ class ToyConfig:
     workers: int = 2                      # arms trained in parallel, one CPU thread each
     models: ToyModelConfig = field(default_factory=ToyModelConfig)
 
+    def arms(self) -> list[tuple[str, int]]:
+        """(method, seed) of every arm: the methods x seeds, then the ablations."""
+        return ([(m, s) for m in self.methods for s in self.seeds]
+                + [(m, s) for m in self.ablations for s in self.ablation_seeds])
+
     @classmethod
     def quick(cls, **kw):
         """--quick: a couple of minutes; the same code path, smaller everything."""
-        base = dict(name="toy-quick", methods=("base", "single", "vs", "oracle"), seeds=(0,), steps=12,
+        base = dict(name="toy-quick", methods=("base", "single", "vs", "oracle"), seeds=(0,), steps=12, ablations=(),
                     groups=4, eval_every=6, eval_episodes=4, meter_every=0,
                     models=ToyModelConfig(transcripts=1000, vs_examples=400, sim_a_steps=300, vs_steps=300,
-                                          sim_steps=250, policy_steps=100))
+                                          sim_steps=250, policy_steps=100, batch=32))
         base.update(kw)
         return cls(**base)
 
@@ -319,14 +327,13 @@ def _run_logged(toy, method, seed, run_dir: Path, stop_after=None, progress=True
 
 
 def merge_metrics(run_dir: Path, cfg: ToyConfig) -> Path:
-    """Concatenate the arms' logs into metrics.jsonl (method, then seed order)."""
+    """Concatenate the arms' logs into metrics.jsonl (in `cfg.arms()` order)."""
     out = run_dir / "metrics.jsonl"
     with out.open("w") as f:
-        for method in cfg.methods:
-            for seed in cfg.seeds:
-                p = run_dir / "arms" / f"{arm_name(method, seed)}.jsonl"
-                if p.exists():
-                    f.write(p.read_text())
+        for method, seed in cfg.arms():
+            p = run_dir / "arms" / f"{arm_name(method, seed)}.jsonl"
+            if p.exists():
+                f.write(p.read_text())
     return out
 
 
@@ -350,7 +357,9 @@ def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bo
         log(f"sim-a fidelity: exploit value inside the gamma={cfg.gamma:g} simulator {fid['exploit_lm']:.3f} "
             f"(exact {fid['exploit_exact']:.3f}); mean TV to the real users at key histories {fid['tv']:.3f}; "
             f"TV of sim-a-vs's verbalized distribution {fid['vs_tv']:.3f}")
-    jobs = [(m, s) for m in cfg.methods for s in cfg.seeds]
+    # the slowest arms first, so that the workers finish at about the same time
+    cost = {"vs": 0, "population": 1, "cotrain": 2}
+    jobs = sorted(cfg.arms(), key=lambda arm: cost.get(arm[0].partition(":")[0], 3))
     if cfg.workers <= 1:
         toy = Toy(cfg, cache_dir, log=log, progress=progress)
         for method, seed in jobs:

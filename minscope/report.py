@@ -99,7 +99,7 @@ def plots(records, out_dir: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = collect(records)
+    data = {m: seeds for m, seeds in collect(records).items() if ":" not in m}   # ablations: tables only
     panels = [("eval", "real_users", "held-out reward (real users)"),
               ("train", "train_reward", "train reward (vs its simulator)"),
               ("train", "policy_entropy", "policy entropy (nats/token)"),
@@ -173,19 +173,32 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
              "| method | real users, final (95% CI) | real users, best | at best panel ckpt | unseen sims, final | "
              "train reward first → last | entropy first → last | zero-var first → last | most common final sequence |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for method, r in results["methods"].items():
+    header = lines[-2:]
+
+    def row(r):
         h = r["heldout"]["real_users"]
         ci = h["final_ci95"]
-        lines.append(
-            f"| {r['label']} | {fmt(h['final_mean'])} ({fmt(ci[0], 2)}–{fmt(ci[1], 2)}) | {fmt(h['best_mean'])} | "
-            f"{fmt(h['selected_mean'])} | {fmt(r['heldout']['unseen']['final_mean'])} | "
-            f"{fmt(r['train_reward']['first'], 2)} → {fmt(r['train_reward']['last'], 2)} | "
-            f"{fmt(r['entropy']['first'], 2)} → {fmt(r['entropy']['last'], 2)} | "
-            f"{fmt(r['zero_variance']['first'], 2)} → {fmt(r['zero_variance']['last'], 2)} | {r['top_sequence']} |")
+        return (f"| {r['label']} | {fmt(h['final_mean'])} ({fmt(ci[0], 2)}–{fmt(ci[1], 2)}) | {fmt(h['best_mean'])} | "
+                f"{fmt(h['selected_mean'])} | {fmt(r['heldout']['unseen']['final_mean'])} | "
+                f"{fmt(r['train_reward']['first'], 2)} → {fmt(r['train_reward']['last'], 2)} | "
+                f"{fmt(r['entropy']['first'], 2)} → {fmt(r['entropy']['last'], 2)} | "
+                f"{fmt(r['zero_variance']['first'], 2)} → {fmt(r['zero_variance']['last'], 2)} | {r['top_sequence']} |")
+
+    main = {m: r for m, r in results["methods"].items() if ":" not in m}
+    ablations = {m: r for m, r in results["methods"].items() if ":" in m}
+    lines += [row(r) for r in main.values()]
     lines += ["", "Final = last evaluation (the policy sampling at its training temperature), averaged over seeds; CI from a two-level "
               "bootstrap (seeds, then episodes). Best = each seed's best evaluation, averaged. "
               "'At best panel ckpt' = the real-user score of the checkpoint with the best mean over the six "
               "simulators (what the paper keeps).", ""]
+    if ablations:
+        seeds = sorted({r["seed"] for r in records if ":" in r["method"]})
+        lines += ["## Co-Training ablation", "",
+                  f"Variants of the simulator objective (seeds {', '.join(map(str, seeds))}; same settings otherwise): "
+                  "`adversarial` / `cooperative` / `curriculum` = the simulator's reward; `anchor` = realism anchor "
+                  "(behaviour cloning on real-user transcripts, weight 0.5); `group` = group-wise instead of "
+                  "batch-wise baseline for the simulator's advantages. Compare with the Co-Training rows above.", ""]
+        lines += header + [row(r) for r in ablations.values()] + [""]
     meters = {m: r["collapse_meter"] for m, r in results["methods"].items() if "collapse_meter" in r}
     if meters:
         lines += ["## Collapse meter (last evaluation)", "",

@@ -10,10 +10,10 @@ TINY_MODELS = ToyModelConfig(hidden=32, vocab=640, transcripts=120, vs_examples=
                              sim_steps=5, policy_steps=5, batch=8, workers=1)
 
 
-def tiny_config(name, methods=("base", "single", "population")):
+def tiny_config(name, methods=("base", "single", "population"), ablations=()):
     return experiment.ToyConfig(name=name, methods=methods, seeds=(0,), steps=4, groups=2, group_size=2,
                                 eval_every=2, eval_episodes=1, meter_every=4, workers=1, pool_every=1,
-                                models=TINY_MODELS)
+                                models=TINY_MODELS, ablations=ablations)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,8 @@ def test_existing_run_is_not_overwritten_without_resume(tmp_path, cache):
 
 
 def test_report_writes_results_plots_and_markdown(tmp_path, cache):
-    cfg = tiny_config("toy", methods=("base", "single", "vs"))
+    cfg = tiny_config("toy", methods=("base", "single", "vs"), ablations=("cotrain:anchor+group",))
+    assert cfg.arms() == [("base", 0), ("single", 0), ("vs", 0), ("cotrain:anchor+group", 0)]
     run_dir = experiment.run(cfg, tmp_path, cache, log=lambda *a: None, progress=False)
     reference = {"random": 0.1, "best_fixed": 0.3, "best_adaptive": 0.7}
     results = report.write_report(run_dir, reference)
@@ -62,5 +63,12 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
     for key in ("train_reward", "entropy", "zero_variance"):
         assert set(saved["methods"]["single"][key]) == {"first", "last"}
     assert (run_dir / "curves.png").stat().st_size > 1000
-    assert "Verbalized Sampling" in (run_dir / "report.md").read_text()
+    md = (run_dir / "report.md").read_text()
+    assert "Verbalized Sampling" in md
     assert results["methods"]["vs"]["label"] == "Verbalized Sampling"
+    # the ablation arm trained its simulator with the anchor, and has its own table
+    anchored = [r for r in records(run_dir) if r["method"] == "cotrain:anchor+group" and r["kind"] == "train"]
+    assert len(anchored) == 4 and all("sim_anchor_nll" in r for r in anchored)
+    ablation_md = md.split("## Co-Training ablation")[1]
+    assert "Co-Training [anchor+group]" in ablation_md
+    assert "Co-Training [anchor+group]" not in md.split("## Co-Training ablation")[0]
