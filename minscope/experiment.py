@@ -56,7 +56,7 @@ class ToyConfig:
     lora_r: int = 16
     eps_low: float = 0.2
     eps_high: float = 0.28
-    beta: float = 0.0
+    beta: float = 0.04                    # KL to the untrained policy: keeps utterances well-formed
     epochs: int = 2
     sim_reward: str = "curriculum"
     sim_baseline: str = "batch"
@@ -71,6 +71,7 @@ class ToyConfig:
     eval_temperature: float = 1.0
     meter_every: int = 30                 # collapse meter cadence (0 = off)
     temperature: float = 1.0              # policy sampling temperature in training
+    policy_max_new_tokens: int = 6        # an act is one token + end of turn; room to garble
     workers: int = 2                      # arms trained in parallel, one CPU thread each
     models: ToyModelConfig = field(default_factory=ToyModelConfig)
 
@@ -131,8 +132,9 @@ class Toy:
         # tiny models learn far faster when the LoRA also adapts the LM head
         model = add_adapters(copy.deepcopy(self.base_model), ["policy"], r=self.cfg.lora_r,
                              alpha=2 * self.cfg.lora_r, target_modules="all-linear+head")
-        return LMSpeaker(model, self.tokenizer, "agent", adapter="policy",
-                         temperature=self.cfg.temperature, max_new_tokens=12, name="policy")
+        return LMSpeaker(model, self.models.policy_tokenizer, "agent", adapter="policy",
+                         temperature=self.cfg.temperature, max_new_tokens=self.cfg.policy_max_new_tokens,
+                         name="policy")
 
     def anchor_batches(self, seed: int, batch: int = 32):
         """Real-user transcripts (persuadee side) for the realism anchor, as SFT batches."""

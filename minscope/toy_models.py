@@ -65,6 +65,7 @@ class ToyModelConfig:
     sim_steps: int = 800        # SFT steps of the other simulators (ensemble and panel)
     policy_steps: int = 300     # SFT steps of the policy base
     policy_skill: float = 0.2   # share of the policy base's acts copied from the best adaptive policy
+    policy_asks: float = 0.5    # share of its other (random) acts that are asks (2/7 would be uniform)
     batch: int = 32
     lr: float = 3e-3
     seed: int = 0
@@ -72,11 +73,11 @@ class ToyModelConfig:
 
     def key(self) -> str:
         """The cache folder's name: a hash of everything the simulators depend on."""
-        fields = {k: v for k, v in asdict(self).items() if k != "policy_skill"}
+        fields = {k: v for k, v in asdict(self).items() if k not in ("policy_skill", "policy_asks")}
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
     def policy_name(self) -> str:
-        return "policy-base" if not self.policy_skill else f"policy-base-skill{self.policy_skill:g}"
+        return f"policy-base-skill{self.policy_skill:g}-asks{self.policy_asks:g}"
 
 
 def vs_conversations(env: ToyEnv, world: World, transcripts, n: int, rng, k: int = 5):
@@ -101,6 +102,21 @@ def toy_tokenizer(env: ToyEnv):
     return build_tokenizer(env.corpus() * 3 + [vs_instruction(5)] * 3 + examples * 3, vocab_size=ToyModelConfig.vocab)
 
 
+def with_utterance_tokens(tokenizer):
+    """The policy's tokenizer: the simulators' BPE plus one token per act and per reply.
+
+    Policy and simulators talk in text, so they need not share a tokenizer (in the paper
+    they are different model families). A 64-wide policy that spells its acts word by word
+    learns to write near-misses ("would you give dollar?", "what to you?") that the tiny
+    LM simulators mistake for acts while real users do not understand them; the policy then
+    optimises against that hole instead of the users (it did, in VS runs, measured). With one
+    token per act it says an act, or visibly garbles it."""
+    from .envs.toy import ACTS, REPLIES
+
+    tokenizer.add_tokens(sorted(set(ACTS.values()) | set(REPLIES)))
+    return tokenizer
+
+
 class ToyModels:
     """Loads the tokenizer, policy base and simulators from the cache, training what is missing."""
 
@@ -110,17 +126,18 @@ class ToyModels:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.progress, self.log = progress, log
         self.env = ToyEnv()
-        self.tokenizer = self._tokenizer()
+        self.tokenizer = self._tokenizer("tokenizer")                  # the simulators'
+        self.policy_tokenizer = self._tokenizer("policy-tokenizer")    # + utterance tokens
 
-    def _tokenizer(self):
+    def _tokenizer(self, name: str):
         from transformers import PreTrainedTokenizerFast
 
-        path = self.dir / "tokenizer"
+        path = self.dir / name
         if path.exists():
             tok = PreTrainedTokenizerFast.from_pretrained(str(path))
             tok.padding_side = "left"
             return tok
-        tok = toy_tokenizer(self.env)
+        tok = toy_tokenizer(self.env) if name == "tokenizer" else with_utterance_tokens(self._tokenizer("tokenizer"))
         tok.save_pretrained(str(path))
         return tok
 
@@ -144,14 +161,18 @@ class ToyModels:
         rng = np.random.default_rng(seed)
         if is_policy:
             # a random persuader that, for a share `policy_skill` of its acts, does what the
-            # best adaptive policy would: a mediocre but not hopeless starting point
+            # best adaptive policy would, and otherwise asks for money half the time (a pushy
+            # salesperson): a mediocre but not hopeless starting point
             world, steps = World(), c.policy_steps
             table = world.best_adaptive()[1]
 
             def persuader(history):
                 if rng.random() < c.policy_skill:
                     return table.get(history, "probe")
-                return ACT_KEYS[rng.integers(len(ACT_KEYS))]
+                if rng.random() < c.policy_asks:
+                    return ("small_ask", "big_ask")[rng.integers(2)]
+                return others[rng.integers(len(others))]
+            others = [a for a in ACT_KEYS if not a.endswith("_ask")]
             transcripts = world.sample_transcripts(c.transcripts, rng, policy=persuader)
             conversations = self.env.sft_conversations(transcripts, role="agent")
         else:
@@ -162,8 +183,9 @@ class ToyModels:
             steps = {"sim-a": c.sim_a_steps, "sim-a-vs": c.vs_steps}.get(name, c.sim_steps)
             if name == "sim-a-vs":
                 conversations += vs_conversations(env, world, transcripts, c.vs_examples, rng)
-        model = build_tiny_model(self.tokenizer, c.arch, c.hidden, c.layers, c.heads, seed=seed)
-        losses = sft(model, self.tokenizer, conversations, steps=steps, batch_size=c.batch, lr=c.lr,
+        tok = self.policy_tokenizer if is_policy else self.tokenizer
+        model = build_tiny_model(tok, c.arch, c.hidden, c.layers, c.heads, seed=seed)
+        losses = sft(model, tok, conversations, steps=steps, batch_size=c.batch, lr=c.lr,
                      seed=seed, desc=f"sft {name}", progress=self.progress)
         model.save_pretrained(str(self.dir / name))
         return f"  trained {name}: SFT loss {losses[0]:.2f} -> {np.mean(losses[-20:]):.3f} ({steps} steps)"

@@ -213,3 +213,19 @@ def test_sft_conversations_give_the_simulator_the_persona_and_its_own_replies():
         assert task.name in msgs[0]["content"] and msgs[0]["role"] == "system"
         assert [m["role"] for m in msgs[1:]] == ["user", "assistant"] * env.world.n_turns
         assert [m["content"] for m in msgs[2::2]] == [u for s, u in turns if s == "partner"]
+
+
+def test_policy_tokenizer_has_one_token_per_act_and_reply_and_round_trips():
+    from minscope.toy_models import toy_tokenizer, with_utterance_tokens
+
+    env = ToyEnv()
+    sim_tok = toy_tokenizer(env)
+    tok = with_utterance_tokens(toy_tokenizer(env))
+    assert len(tok) == len(sim_tok) + len(set(ACTS.values()) | set(REPLIES))
+    for text in list(ACTS.values()) + list(REPLIES):
+        assert len(tok(text, add_special_tokens=False)["input_ids"]) == 1, text
+    # garbled text still has a spelling, and chat turns decode to the same text
+    assert len(tok("would you give dollar?", add_special_tokens=False)["input_ids"]) > 1
+    msgs = [{"role": "user", "content": NO}, {"role": "assistant", "content": ACTS["probe"] + ACTS["big_ask"]}]
+    rendered = tok.apply_chat_template(msgs, tokenize=False)
+    assert tok.decode(tok(rendered, add_special_tokens=False)["input_ids"]) == rendered
