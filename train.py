@@ -3,9 +3,10 @@
 With no arguments this runs the toy persuasion experiment on CPU (or GPU), offline: tiny
 language models are trained from scratch and cached, then Base, RL (Single), Verbalized
 Sampling, Ensemble, Co-Training, Population Co-Training and an oracle arm are trained for
-3 seeds each and evaluated on a held-out panel. Results land in runs/<name>/
-(report.md, results.json, plots). `--quick` runs the same code path in about three minutes
-(1 seed, 4 arms, small models: a smoke run, too small to show the effect).
+3 seeds each (plus four Co-Training variants, seed 0) and evaluated on a held-out panel.
+Results land in runs/<name>/ (report.md, results.json, plots). `--quick` runs the same code
+path in about two minutes (1 seed, 4 arms, small models: a smoke run, too small to show the
+effect).
 
 Real models and benchmarks:
     python train.py --env p4g --data PATH --policy Qwen/Qwen3-1.7B --simulator Qwen/Qwen3-1.7B --method vs
@@ -29,7 +30,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--env", default="toy", choices=["toy", "p4g", "tau2", "wordgame"],
                    help="environment (default: the built-in toy persuasion experiment)")
-    p.add_argument("--quick", action="store_true", help="toy: a ~3 minute smoke run of the same code path (too small to show the effect)")
+    p.add_argument("--quick", action="store_true", help="toy: a ~2 minute smoke run of the same code path (too small to show the effect)")
     p.add_argument("--name", help="run name: results go to RUNS_DIR/NAME (default: toy / toy-quick / env-method)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its saved state")
     p.add_argument("--runs-dir", default="runs", help="where runs are written (default: runs)")

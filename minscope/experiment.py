@@ -85,8 +85,8 @@ class ToyConfig:
         """--quick: a couple of minutes; the same code path, smaller everything."""
         base = dict(name="toy-quick", methods=("base", "single", "vs", "oracle"), seeds=(0,), steps=12, ablations=(),
                     groups=4, eval_every=6, eval_episodes=4, meter_every=0,
-                    models=ToyModelConfig(transcripts=1000, vs_examples=400, sim_a_steps=300, vs_steps=300,
-                                          sim_steps=250, policy_steps=100, batch=32))
+                    models=ToyModelConfig(transcripts=1000, vs_examples=400, sim_a_steps=200, vs_steps=220,
+                                          sim_steps=150, policy_steps=100, batch=32))
         base.update(kw)
         return cls(**base)
 
