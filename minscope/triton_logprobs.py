@@ -15,11 +15,12 @@ Three kernels:
   vocabulary. For each [BLOCK_N, BLOCK_V] tile it computes z with `tl.dot` over H, then,
   while the tile is still in registers, updates the online softmax state of each row:
   running max m, sum of exp(z - m), sum of exp(z - m) * z (for the entropy) and the target
-  logit. Nothing of size [N, V] touches memory (unless STORE_Z, below). Splitting the vocabulary over programs keeps
-  the GPU busy when N is small; the per-split states [N, S] are merged in PyTorch (tiny).
+  logit. Nothing of size [N, V] touches memory (unless STORE_Z, below). Splitting the
+  vocabulary over programs keeps the GPU busy when N is small; the per-split states [N, S]
+  are merged in PyTorch (tiny).
 
-* `_logit_grad_kernel` (backward of `token_logprobs`). One program owns one [BLOCK_N, BLOCK_V]
-  tile: it recomputes z with `tl.dot`, and in the same registers forms the gradient w.r.t.
+* `_logit_grad_kernel` (backward of `token_logprobs`). One program owns one
+  [BLOCK_N, BLOCK_V] tile: it recomputes z with `tl.dot`, and in the same registers forms the gradient w.r.t.
   the raw logits x @ W.T,
 
       G = dlogp[:, None] * (onehot(y) - exp(z - lse)) / T
