@@ -17,6 +17,8 @@ so it is an upper bound on how easily an LM can learn the adaptive strategy.
 
     python bench/toy_design.py                 # all arms, 3 seeds (about 3 minutes on 1 core)
     python bench/toy_design.py --steps 100 --seeds 1
+    python bench/toy_design.py --steps 50 --groups 2 --base 0.2,0.5 --lr 0.05
+        # the toy run's budget (50 steps x 8 groups), starting from the LM policy base's acts
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class Config:
     gamma: float = 8.0
     eval_every: int = 25
     seeds: int = 3
+    skill: float | None = None  # start from the LM policy base's distribution (None: uniform)
+    asks: float = 0.5
 
 
 def vs_reply_model(world: World, k: int = 5):
@@ -52,14 +56,19 @@ def vs_reply_model(world: World, k: int = 5):
 class TabularPolicy:
     """Softmax over the 7 acts, one logit vector per history; Adam on the logits."""
 
-    def __init__(self, lr: float):
-        self.lr, self.t = lr, 0
+    def __init__(self, lr: float, prior=None):
+        self.lr, self.t, self.prior = lr, 0, prior
         self.logits, self.m, self.v = {}, {}, {}
+
+    def initial_logits(self, history) -> np.ndarray:
+        if self.prior is None:
+            return np.zeros(len(ACT_KEYS))
+        return np.log(self.prior(history))
 
     def probs(self, history) -> np.ndarray:
         z = self.logits.get(history)
         if z is None:
-            return np.full(len(ACT_KEYS), 1.0 / len(ACT_KEYS))
+            z = self.initial_logits(history)
         e = np.exp(z - z.max())
         return e / e.sum()
 
@@ -71,7 +80,8 @@ class TabularPolicy:
         self.t += 1
         b1, b2 = 0.9, 0.98
         for h, g in grads.items():
-            for d in (self.logits, self.m, self.v):
+            self.logits.setdefault(h, self.initial_logits(h))
+            for d in (self.m, self.v):
                 d.setdefault(h, np.zeros(len(ACT_KEYS)))
             self.m[h] = b1 * self.m[h] + (1 - b1) * g
             self.v[h] = b2 * self.v[h] + (1 - b2) * g * g
@@ -96,7 +106,7 @@ def train(world: World, reply_models, cfg: Config, seed: int):
     """GRPO on a tabular policy; each group draws one member of `reply_models`.
     Returns a dict of curves."""
     rng = np.random.default_rng(seed)
-    policy = TabularPolicy(cfg.lr)
+    policy = TabularPolicy(cfg.lr, base_prior(world, cfg.skill, cfg.asks) if cfg.skill is not None else None)
     curves = {"step": [], "real": [], "train": [], "entropy": []}
     for step in range(cfg.steps + 1):
         if step % cfg.eval_every == 0:
@@ -133,6 +143,20 @@ def train(world: World, reply_models, cfg: Config, seed: int):
     return curves
 
 
+def base_prior(world: World, skill: float, asks: float):
+    """The LM policy base's act distribution (minscope.toy_models): the best adaptive act
+    with probability `skill`, else an ask with probability `asks`, else another act."""
+    table = world.best_adaptive()[1]
+    others = [a for a in ACT_KEYS if not a.endswith("_ask")]
+
+    def prior(history):
+        p = np.array([(1 - skill) * (asks / 2 if a.endswith("_ask") else (1 - asks) / len(others))
+                      for a in ACT_KEYS])
+        p[ACT_KEYS.index(table.get(history, "probe"))] += skill
+        return p
+    return prior
+
+
 def fixed_policy(seq):
     return lambda h: seq[len(h) // 2]
 
@@ -142,9 +166,14 @@ def main():
     ap.add_argument("--steps", type=int, default=Config.steps)
     ap.add_argument("--seeds", type=int, default=Config.seeds)
     ap.add_argument("--lr", type=float, default=Config.lr)
+    ap.add_argument("--groups", type=int, default=Config.groups_per_persona, help="groups per persona per step")
+    ap.add_argument("--base", default=None, metavar="SKILL,ASKS",
+                    help="start from the LM policy base's act distribution, e.g. 0.2,0.5 (default: uniform)")
     ap.add_argument("--arms", default="single,vs,oracle,ensemble")
     args = ap.parse_args()
-    cfg = Config(steps=args.steps, seeds=args.seeds, lr=args.lr)
+    skill, asks = (None, 0.5) if args.base is None else map(float, args.base.split(","))
+    cfg = Config(steps=args.steps, seeds=args.seeds, lr=args.lr, groups_per_persona=args.groups,
+                 skill=skill, asks=asks)
 
     world = World()
     sharp = sharpened(world.reply_dist, cfg.gamma)
@@ -175,11 +204,11 @@ def main():
     print(f"({time.time() - t0:.1f}s)")
 
     ensemble = [sharpened(w.reply_dist, cfg.gamma) for w in
-                (world, World(cue_rate=0.75, cue_noise=0.05), World(pressure_yes=0.45))]
+                (world, World(cue_rate=0.75), World(pressure_yes=0.45, upsell_yes=0.2))]
     arms = {"single": ("RL (Single), sharpened gamma 8", [sharp]),
             "vs": ("VS (top-5 of the true replies, renormalised)", [vs_reply_model(world)]),
             "oracle": ("oracle: trained on the real users", [world.reply_dist]),
-            "ensemble": ("ensemble: sharpened default, cue 0.75, pressure 0.45", ensemble)}
+            "ensemble": ("ensemble: sharpened default, cue 0.75, pressure+upsell", ensemble)}
     print(f"== tabular GRPO, {cfg.steps} steps, {len(PERSONAS) * cfg.groups_per_persona} groups x "
           f"G={cfg.group_size}, lr {cfg.lr}, {cfg.seeds} seeds; real-user values are exact")
     print(f"{'arm':50s} {'final real':>12s} {'peak real':>10s} {'train end':>9s} {'entropy':>12s}")

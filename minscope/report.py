@@ -168,7 +168,7 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
     lines = [f"# minscope toy experiment: `{run_dir.name}`", "",
              f"Exact reference values on the real users: random policy **{ref['random']:.3f}**, "
              f"best fixed sequence **{ref['best_fixed']:.3f}**, best adaptive policy **{ref['best_adaptive']:.3f}**; "
-             f"the exploit (big ask x3) scores {ref.get('exploit_real', float('nan')):.3f} on real users "
+             f"the exploit ({', '.join(ref.get('exploit', ['?']))}) scores {ref.get('exploit_real', float('nan')):.3f} on real users "
              f"and {ref.get('exploit_sharpened', float('nan')):.3f} inside the gamma-sharpened users.", "",
              "| method | real users, final (95% CI) | real users, best | at best panel ckpt | unseen sims, final | "
              "train reward first → last | entropy first → last | zero-var first → last | most common final sequence |",
@@ -211,7 +211,7 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
     if fid_path.exists():
         f = json.loads(fid_path.read_text())
         lines += ["## Simulator fidelity (checked before any RL)", "",
-                  f"Inside sim-a sharpened by gamma, the exploit (big ask x3) is worth **{f['exploit_lm']:.3f}** "
+                  f"Inside sim-a sharpened by gamma, the exploit ({', '.join(f.get('exploit', ['?']))}) is worth **{f['exploit_lm']:.3f}** "
                   f"(exact value for the sharpened real users: {f['exploit_exact']:.3f}). Mean total variation "
                   f"between sim-a and the real users at the histories the exploit and the probe pass through: "
                   f"**{f['tv']:.3f}**. The distribution sim-a-vs *states* when asked for one (Verbalized Sampling, "

@@ -43,7 +43,7 @@ from .verbalized import Candidate, format_candidates, vs_instruction
 SIMULATORS = {
     "sim-a": ("seen", {}),
     "sim-b": ("seen", {"cue_rate": 0.75}),
-    "sim-c": ("seen", {"pressure_yes": 0.45}),
+    "sim-c": ("seen", {"pressure_yes": 0.45, "upsell_yes": 0.2}),
     "sim-d": ("unseen", {"persona_mix": (0.4, 0.3, 0.2, 0.1)}),
     "sim-e": ("unseen", {"cue_rate": 0.5, "lecture_pushback": 0.25}),
     "sim-f": ("unseen", {"persuade_rate": 0.5, "pressure_yes": 0.5}),
@@ -70,10 +70,12 @@ class ToyModelConfig:
     lr: float = 3e-3
     seed: int = 0
     workers: int = 2            # processes that train models in parallel (1 thread each)
+    world: int = 3              # version of the toy world and its data: bump it when they change
+
 
     def key(self) -> str:
         """The cache folder's name: a hash of everything the simulators depend on."""
-        fields = {k: v for k, v in asdict(self).items() if k not in ("policy_skill", "policy_asks")}
+        fields = {k: v for k, v in asdict(self).items() if k not in ("policy_skill", "policy_asks", "workers")}
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
     def policy_name(self) -> str:
@@ -161,7 +163,7 @@ class ToyModels:
         rng = np.random.default_rng(seed)
         if is_policy:
             # a random persuader that, for a share `policy_skill` of its acts, does what the
-            # best adaptive policy would, and otherwise asks for money half the time (a pushy
+            # best adaptive policy would, and otherwise mostly asks for money (a pushy
             # salesperson): a mediocre but not hopeless starting point
             world, steps = World(), c.policy_steps
             table = world.best_adaptive()[1]
@@ -244,33 +246,44 @@ def fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: in
              vs_simulator=None) -> dict:
     """How faithfully a simulator (a speaker) reproduces its world, where it matters.
 
-    exploit_lm / exploit_exact: the value of "big ask x3" inside the gamma-sharpened simulator,
-    sampled vs exact (lesson: sharpening magnifies simulator errors, so check this before RL).
+    exploit_lm / exploit_exact: the value of the exploit (`World.exploit`: the best fixed act
+    sequence inside the sharpened world) inside the gamma-sharpened simulator, sampled vs
+    exact (lesson: sharpening magnifies simulator errors, so check this before RL).
     tv: mean total variation between the simulator's reply distribution (sampled at
     temperature 1) and the world's, at the histories the exploit and the probe pass through.
     """
     import copy as _copy
 
     from .envs.base import Episode, Turn
-    from .envs.toy import ACTS, MAYBE, sharpened, total_variation
+    from .envs.toy import ACTS, sharpened, total_variation
     from .rollout import rollout
 
-    class BigAsk:
+    seq = world.exploit(gamma)
+    sharp_world = sharpened(world.reply_dist, gamma)
+
+    class Exploit:
         def respond(self, episodes, env):
-            return [Turn("agent", ACTS["big_ask"]) for _ in episodes]
+            return [Turn("agent", ACTS[seq[sum(t.role == "agent" for t in ep.turns)]]) for ep in episodes]
 
     env = ToyEnv(world)
     torch.manual_seed(seed)
     sharp = _copy.copy(simulator)
     sharp.temperature = 1.0 / gamma
-    eps = rollout(env, env.tasks(), BigAsk(), sharp, episodes // len(env.tasks()))
+    eps = rollout(env, env.tasks(), Exploit(), sharp, episodes // len(env.tasks()))
     exploit_lm = float(np.mean([e.reward for e in eps]))
-    exploit_exact = world.exact_value(lambda h: "big_ask", reply_dist=sharpened(world.reply_dist, gamma))
+    exploit_exact = world.exact_value(lambda h: seq[len(h) // 2], reply_dist=sharp_world)
+    # the histories the exploit passes through (the sharpened mode's replies) and the probe
+    histories, h = [(ACTS["probe"],)], ()
+    for act in seq:
+        h = h + (ACTS[act],)
+        histories.append(h)
+        r = sharp_world(0, h)
+        h = h + (max(r, key=r.get),)
+    histories = list(dict.fromkeys(histories))
     plain = _copy.copy(simulator)
     plain.temperature = 1.0
-    big = ACTS["big_ask"]
     tvs = []
-    for history in [(big,), (big, MAYBE, big), (big, MAYBE, big, MAYBE, big), (ACTS["probe"],)]:
+    for history in histories:
         for task in env.tasks():
             batch = [Episode(task=task, group=0, turns=[Turn("agent" if i % 2 == 0 else "partner", u)
                                                         for i, u in enumerate(history)]) for _ in range(episodes)]
@@ -278,7 +291,7 @@ def fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: in
             for turn in plain.respond(batch, env):
                 counts[turn.text.strip()] = counts.get(turn.text.strip(), 0) + 1 / episodes
             tvs.append(total_variation(world.reply_dist(task.persona, history), counts))
-    out = {"exploit_lm": exploit_lm, "exploit_exact": exploit_exact, "tv": float(np.mean(tvs))}
+    out = {"exploit": list(seq), "exploit_lm": exploit_lm, "exploit_exact": exploit_exact, "tv": float(np.mean(tvs))}
     if vs_simulator is not None:
         # the verbalized distribution itself (what the VS draw uses) vs the real users'
         from .simulators import Verbalized
@@ -287,7 +300,7 @@ def fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: in
         vs = Verbalized(vs_simulator, k=5, seed=seed)
         vs.speaker.temperature = 1.0 / gamma
         vtv, fails = [], 0
-        for history in [(big,), (big, MAYBE, big), (big, MAYBE, big, MAYBE, big), (ACTS["probe"],)]:
+        for history in histories:
             for task in env.tasks():
                 ep = Episode(task=task, group=0, turns=[Turn("agent" if i % 2 == 0 else "partner", u)
                                                         for i, u in enumerate(history)])

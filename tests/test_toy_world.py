@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from minscope.envs.base import Episode, Turn
-from minscope.envs.toy import (ACT_KEYS, ACTS, CUES, INVALID, NO, PERSONAS, REPLIES, STRATEGIES,
+from minscope.envs.toy import (ACT_KEYS, ACTS, CUES, FORGET, INVALID, NEVER, NO, PERSONAS, REPLIES, STRATEGIES,
                                SURE1, WHAT, YES2, RealUsers, SharpenedUsers, ToyEnv, World, sharpened,
                                text_to_act, total_variation)
 
@@ -98,19 +98,37 @@ def test_exploit_wins_inside_sharpened_users_but_loses_on_real_users(world):
     sharp = sharpened(world.reply_dist, 8.0)
     _, adaptive_table = world.best_adaptive()
     adaptive = lambda h: adaptive_table[h]  # noqa: E731
-    exploit = fixed(("big_ask",) * 3)
+    assert world.exploit(8.0) == ("probe", "small_ask", "big_ask")
+    exploit = fixed(world.exploit(8.0))
     assert world.exact_value(exploit, sharp) > world.exact_value(adaptive, sharp) + 0.15
-    assert world.exact_value(exploit) < world.exact_value(adaptive) - 0.3
-    assert world.best_fixed(sharp)[1] == ("big_ask",) * 3
+    assert world.exact_value(exploit) < world.exact_value(adaptive) - 0.4
+    # ... and on real users it is worse than the cautious sequence it grows out of
+    assert world.exact_value(exploit) < world.exact_value(fixed(("probe", "small_ask", "probe"))) - 0.05
+    # the upsell without the probe, and asking three times, are exploits too
+    assert world.exact_value(fixed(("small_ask", "big_ask", "probe")), sharp) > 0.9
+    assert world.exact_value(fixed(("big_ask",) * 3), sharp) > 0.85
 
 
-def test_pushback_against_the_exploit_is_a_minority_reply(world):
+def test_the_exploit_is_a_climb_inside_sharpened_users(world):
+    """From a probe-first policy, each step towards the exploit pays inside the sharpened
+    users: after a probe the small ask, after its pledge the upsell."""
+    sharp = sharpened(world.reply_dist, 8.0)
+    best = world.best_adaptive(sharp)[1]
+    probed = (ACTS["probe"], max(sharp(0, (ACTS["probe"],)), key=sharp(0, (ACTS["probe"],)).get))
+    assert best[probed] == "small_ask"
+    assert best[probed + (ACTS["small_ask"], SURE1)] == "big_ask"
+
+
+def test_pushback_is_a_minority_reply_along_the_exploits(world):
     h = ()
     for _ in range(3):
         h = h + (ACTS["big_ask"],)
         dist = world.reply_dist(0, h)
         assert dist.get(NO, 0.0) < 0.5
         h = h + (max(dist, key=dist.get),)
+    upsell = world.reply_dist(0, (ACTS["small_ask"], SURE1, ACTS["big_ask"]))
+    assert max(upsell, key=upsell.get) == YES2 and upsell[YES2] < 0.5
+    assert sum(upsell[r] for r in (NO, FORGET, NEVER)) > 0.5
 
 
 def test_sharpening_keeps_the_mode_and_gamma_one_is_identity(world):
@@ -181,9 +199,11 @@ def test_sharpened_users_mostly_give_the_modal_reply():
 
 def test_transcripts_cover_the_exploit_histories():
     data = World().sample_transcripts(600, np.random.default_rng(0))
-    exploit = (ACTS["big_ask"],) * 3
-    n = sum(tuple(u for s, u in turns if s == "agent") == exploit for _, turns in data)
-    assert n >= 20  # about 6% of episodes; a uniform behaviour policy would give 0.3%
+    agent = [tuple(u for s, u in turns if s == "agent") for _, turns in data]
+    assert sum(a == (ACTS["big_ask"],) * 3 for a in agent) >= 15  # ~4%; uniform acts would give 0.3%
+    upsells = sum(any(turns[i][1] == SURE1 and turns[i + 1][1] == ACTS["big_ask"] for i in range(len(turns) - 1))
+                  for _, turns in data)
+    assert upsells >= 30    # a 1-dollar pledge followed by a big ask
     assert all([s for s, _ in turns] == ["agent", "partner"] * 3 for _, turns in data)
     assert any(text_to_act(u) == INVALID for _, turns in data for s, u in turns if s == "agent")
 

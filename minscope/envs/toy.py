@@ -7,14 +7,14 @@ can be valued exactly, and the ceilings every report shows are computed, not est
   - 4 persona types are the tasks; persona i is won over by strategy i only. The simulator
     is told the persona, the policy is not (as in P4G).
   - 7 persuader acts, each a fixed short utterance (ACTS); any other text is "invalid".
-  - 21 persuadee replies (REPLIES), each with a unique FIRST WORD, so that sharpening an
+  - 23 persuadee replies (REPLIES), each with a unique FIRST WORD, so that sharpening an
     LM's first token is sharpening the reply distribution.
   - Reward = last stated donation / 2: "yes i give 2 dollars" 1, "sure i give 1 dollar" 0.5,
-    "no thanks" 0 (it states 0), nothing stated 0.
+    "no thanks" / "forget it" / "never mind then" 0 (they state 0), nothing stated 0.
 
-Mood, read off the history: resentful (said "stop..." or "no thanks" before), persuaded
-(said "wow..."), warm (was probed), pledged (stated 1 or 2 dollars), hesitations (number of
-"maybe later"). Reply probabilities (first matching row wins):
+Mood, read off the history: resentful (said "stop...", "no thanks" or a retraction before),
+persuaded (said "wow..."), warm (was probed), pledged (stated 1 or 2 dollars), hesitations
+(number of "maybe later"). Reply probabilities (first matching row wins):
 
   act        condition          replies
   invalid    -                  what do you mean .75 | stop pushing me .25
@@ -26,19 +26,24 @@ Mood, read off the history: resentful (said "stop..." or "no thanks" before), pe
   strategy   matched            wow that moves me .95 warm / .6 cold | okay rest
   strategy   mismatched         okay .65 | stop .35
   ask        resentful          no .9 | maybe .1 (big);  no .85 | sure .15 (small)
+  big ask    pledged 1 dollar   yes .4 | no thanks .2 | forget it .2 | never mind then .2 (upsell)
   ask        pledged            the same pledge .55 | no .45
   small ask  persuaded          sure .6 | yes .4
-  small ask  warm / cold        sure .6 | maybe .25 | no .15  /  maybe .5 | no .35 | sure .15
+  small ask  warm / cold        sure .6 | maybe .25 | no .15  /  sure .45 | maybe .3 | no .25
   big ask    persuaded          yes .9 | sure .07 | no .03
   big ask    0 / 1 / 2+ maybes  maybe .5 | no .35 | yes .15  /  maybe .6 | no .4  /  yes .6 | no .4
 
 Why this shape (docs/TOY_NOTES.md): the probe's information is SPREAD over three
-phrasings, each less likely than the bland reply, and pushback is always a minority reply.
-Gamma-sharpening (`sharpened`) deletes both: the sharpened users never name what they care
-about and never resent pressure, so inside them asking three times ("big ask x3", the
-exploit, 0.88 at gamma 8) beats everything, while real users give it 0.23. Real users pay
-for probing and then using the matched strategy (best adaptive 0.68), far above the best
-fixed sequence (0.34): the headroom a method better than Verbalized Sampling needs.
+phrasings, each less likely than the bland reply, and retractions are spread over three
+phrasings, each less likely than "yes", so that the mode is not the mean. Gamma-sharpening
+(`sharpened`) deletes the minority replies: the sharpened users never name what they care
+about and never take a pledge back, so inside them the upsell beats everything: "probe,
+small ask, big ask" (the exploit, 0.99 at gamma 8) while real users give it 0.24, less
+than the cautious "probe, small ask, probe" (0.30; 0.50 inside) it grows out of by one
+act. ("small ask, big ask, probe": 0.94 inside, 0.18 real, and "big ask x3": 0.88 inside,
+0.23 real, are exploits too.) Real users pay for probing and then using the matched
+strategy (best adaptive 0.69), far above the best fixed sequence (0.34): the headroom a
+method better than Verbalized Sampling needs.
 
 Histories are tuples of utterance strings, agent first, alternating: a policy sees an
 even-length history (ending with a reply, or empty) and a reply distribution is asked for
@@ -85,9 +90,11 @@ YES2 = "yes i give 2 dollars"
 SURE1 = "sure i give 1 dollar"
 MAYBE = "maybe later"
 NO = "no thanks"
+FORGET = "forget it"                 # retractions of a pledge: they state 0, like "no thanks"
+NEVER = "never mind then"
 WHAT = "what do you mean"            # reply to text that is not an act
-REPLIES = (BLAND, *[c for cues in CUES for c in cues], WOW, OKAY, STOP, YES2, SURE1, MAYBE, NO, WHAT)
-RESENTFUL = (STOP, NO)
+REPLIES = (BLAND, *[c for cues in CUES for c in cues], WOW, OKAY, STOP, YES2, SURE1, MAYBE, NO, FORGET, NEVER, WHAT)
+RESENTFUL = (STOP, NO, FORGET, NEVER)
 
 
 @dataclass(frozen=True)
@@ -128,7 +135,7 @@ def stated_amount(text: str) -> float | None:
     m = _AMOUNT.search(t)
     if m:
         return min(float(m.group(1)), 2.0)
-    if t.startswith("no thanks") or t == "no":
+    if t.startswith("no thanks") or t == "no" or t in (FORGET, NEVER):
         return 0.0
     return None
 
@@ -180,15 +187,17 @@ class World:
     warm_persuade_rate  ... and after a probe
     lecture_pushback    P(a mismatched strategy is resented)
     pressure_yes        P(giving 2 dollars when asked after hesitating twice)
+    upsell_yes          P(raising a 1-dollar pledge to 2 when asked for 2); the rest retracts
 
     Variants (for the held-out panel) are one line, e.g. `World(cue_rate=0.7)` (cues become
     the mode, so even its sharpened users reveal them) or
     `World(persona_mix=(0.55, 0.15, 0.15, 0.15))`.
     """
 
-    def __init__(self, persona_mix=None, cue_rate: float = 0.6, cue_noise: float = 0.1,
+    def __init__(self, persona_mix=None, cue_rate: float = 0.6, cue_noise: float = 0.04,
                  persuade_rate: float = 0.6, warm_persuade_rate: float = 0.95,
-                 lecture_pushback: float = 0.35, pressure_yes: float = 0.6, n_turns: int = 3):
+                 lecture_pushback: float = 0.35, pressure_yes: float = 0.6, upsell_yes: float = 0.4,
+                 n_turns: int = 3):
         mix = np.full(len(PERSONAS), 1.0 / len(PERSONAS)) if persona_mix is None else np.asarray(persona_mix, float)
         if mix.shape != (len(PERSONAS),) or (mix < 0).any() or abs(mix.sum() - 1) > 1e-6:
             raise ValueError(f"persona_mix must be {len(PERSONAS)} probabilities summing to 1, got {persona_mix}")
@@ -198,7 +207,7 @@ class World:
         self.cue_rate, self.cue_noise = cue_rate, cue_noise
         self.persuade_rate, self.warm_persuade_rate = persuade_rate, warm_persuade_rate
         self.lecture_pushback = lecture_pushback
-        self.pressure_yes, self.n_turns = pressure_yes, n_turns
+        self.pressure_yes, self.upsell_yes, self.n_turns = pressure_yes, upsell_yes, n_turns
         self.tasks = [ToyTask(i, name) for i, name in enumerate(PERSONAS)]
         self._cache = {}
 
@@ -247,10 +256,15 @@ class World:
         # an ask
         if resentful:
             return {NO: 0.9, MAYBE: 0.1} if act == "big_ask" else {NO: 0.85, SURE1: 0.15}
+        if pledged and act == "big_ask" and pledged[-1] == SURE1:
+            # the upsell: "yes" is the single most likely reply, but three ways of taking
+            # the pledge back together outweigh it (the mode is not the mean)
+            q = (1 - self.upsell_yes) / 3
+            return {YES2: self.upsell_yes, NO: q, FORGET: q, NEVER: q}
         if pledged:                     # asked again after a pledge: restate or retract
             return {pledged[-1]: 0.55, NO: 0.45}
         if act == "small_ask":
-            return {SURE1: 0.6, YES2: 0.4} if persuaded else ({SURE1: 0.6, MAYBE: 0.25, NO: 0.15} if warm else {MAYBE: 0.5, NO: 0.35, SURE1: 0.15})
+            return {SURE1: 0.6, YES2: 0.4} if persuaded else ({SURE1: 0.6, MAYBE: 0.25, NO: 0.15} if warm else {SURE1: 0.45, MAYBE: 0.3, NO: 0.25})
         if persuaded:
             return {YES2: 0.9, SURE1: 0.07, NO: 0.03}
         # Pressure ladder: an unpersuaded user hesitates twice before giving in.
@@ -294,6 +308,10 @@ class World:
             v = self.exact_value(lambda h, seq=seq: seq[len(h) // 2], reply_dist)
             best = max(best, (v, seq))
         return best
+
+    def exploit(self, gamma: float = 8.0) -> tuple[str, ...]:
+        """The cheap exploit of gamma-sharpened users: the best fixed act sequence inside them."""
+        return self.best_fixed(sharpened(self.reply_dist, gamma))[1]
 
     def best_adaptive(self, reply_dist=None):
         """(value, policy) of the best history-dependent policy (expectimax over the persona
@@ -370,8 +388,14 @@ class World:
         if rng.random() < 0.03:         # garbled text, so simulators learn to answer it
             words = " ".join(ACTS[a] for a in ACT_KEYS).replace("?", "").split()
             return " ".join(rng.choice(words, size=rng.integers(1, 5)))
-        if style == "pressure":         # the rare histories where the exploit lives
+        if style == "pressure":         # the rare histories where the exploits live:
             a = rng.choice(["big_ask", "small_ask", "other"], p=[0.6, 0.2, 0.2])
+            if a != "other":            # asking again and again ...
+                return ACTS[a]
+        if style == "upsell":           # ... and asking for more after a 1-dollar pledge
+            if history and canonical_reply(history[-1]) == SURE1 and rng.random() < 0.8:
+                return ACTS["big_ask"]
+            a = rng.choice(["probe", "small_ask", "other"], p=[0.7, 0.2, 0.1] if not history else [0.05, 0.8, 0.15])
             if a != "other":
                 return ACTS[a]
         return ACTS[ACT_KEYS[rng.integers(len(ACT_KEYS))]]
@@ -380,14 +404,15 @@ class World:
         """n episodes against the real users: list of (ToyTask, [(speaker, utterance), ...]).
 
         policy="behavior": a mixture that covers the rare histories (per episode: uniform
-        random acts 0.5, pressure-heavy 0.3, the best adaptive policy 0.2; 3% garbled acts).
+        random acts 0.4, pressure-heavy 0.2, upsell-heavy 0.2, the best adaptive policy 0.2;
+        3% garbled acts).
         Or pass a function history -> act key.
         """
         adaptive = self.best_adaptive()[1] if policy == "behavior" else None
         out = []
         for _ in range(n):
             persona = int(rng.choice(len(PERSONAS), p=self.persona_mix))
-            style = rng.choice(["uniform", "pressure", "adaptive"], p=[0.5, 0.3, 0.2])
+            style = rng.choice(["uniform", "pressure", "upsell", "adaptive"], p=[0.4, 0.2, 0.2, 0.2])
             history = ()
             for _ in range(self.n_turns):
                 if policy != "behavior":
