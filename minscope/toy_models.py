@@ -72,7 +72,6 @@ class ToyModelConfig:
     workers: int = 2            # processes that train models in parallel (1 thread each)
     world: int = 3              # version of the toy world and its data: bump it when they change
 
-
     def key(self) -> str:
         """The cache folder's name: a hash of everything the simulators depend on."""
         fields = {k: v for k, v in asdict(self).items() if k not in ("policy_skill", "policy_asks", "workers")}
@@ -163,7 +162,7 @@ class ToyModels:
         rng = np.random.default_rng(seed)
         if is_policy:
             # a random persuader that, for a share `policy_skill` of its acts, does what the
-            # best adaptive policy would, and otherwise mostly asks for money (a pushy
+            # best adaptive policy would, and otherwise asks for money half the time (a pushy
             # salesperson): a mediocre but not hopeless starting point
             world, steps = World(), c.policy_steps
             table = world.best_adaptive()[1]
