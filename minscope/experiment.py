@@ -65,6 +65,8 @@ class ToyConfig:
     vs_k: int = 5
     eval_every: int = 10
     eval_episodes: int = 8                # per persona per panel member (real users: x4)
+    final_episodes: int = 256             # per persona, real users, last step: the headline number
+                                          # (1,024 episodes: standard error ~0.013; ~5 s per arm)
     # The paper evaluates at temperature 0. A 64-wide policy's greedy decode can splice two
     # acts into one invalid utterance (it did, for 2 of 6 runs at the last step, while its
     # samples were valid), so the toy evaluates the policy it trains: sampling at temperature 1.
@@ -84,7 +86,7 @@ class ToyConfig:
     def quick(cls, **kw):
         """--quick: a couple of minutes; the same code path, smaller everything."""
         base = dict(name="toy-quick", methods=("base", "single", "vs", "oracle"), seeds=(0,), steps=12, ablations=(),
-                    groups=4, eval_every=6, eval_episodes=4, meter_every=0,
+                    groups=4, eval_every=6, eval_episodes=4, final_episodes=64, meter_every=0,
                     models=ToyModelConfig(transcripts=1000, vs_examples=400, sim_a_steps=200, vs_steps=220,
                                           sim_steps=150, policy_steps=100, batch=32))
         base.update(kw)
@@ -220,13 +222,14 @@ def save_atomic(obj, path: Path):
 
 
 # --------------------------------------------------------------------------- one arm
-def eval_record(toy: Toy, m: Method, method: str, seed: int, step: int) -> dict:
+def eval_record(toy: Toy, m: Method, method: str, seed: int, step: int, final: bool = False) -> dict:
     c = toy.cfg
     rec = {"kind": "eval", "method": method, "seed": seed, "step": step}
     panel = toy.panel(seed * 1000 + step)
     t = c.eval_temperature
+    n_real = max(c.final_episodes, c.eval_episodes * 4) if final else c.eval_episodes * 4
     res = evaluate_panel(toy.env, m.policy, {"real_users": panel.pop("real_users")}, toy.env.tasks(),
-                         c.eval_episodes * 4, policy_temperature=t)
+                         n_real, policy_temperature=t)
     res.update(evaluate_panel(toy.env, m.policy, panel, toy.env.tasks(), c.eval_episodes, policy_temperature=t))
     for name, r in res.items():
         rec[name] = r["mean"]
@@ -234,7 +237,7 @@ def eval_record(toy: Toy, m: Method, method: str, seed: int, step: int) -> dict:
             rec[name + "_ci95"] = r["ci95"]
     rec["panel"] = float(np.mean([r["mean"] for r in res.values() if r.get("kind") in ("seen", "unseen")]))
     rec["real_users_rewards"] = [e.reward for e in res["real_users"]["episodes"]]
-    rec["transcripts"] = [e.transcript(("persuader", "user")) for e in res["real_users"]["episodes"][::c.eval_episodes * 4][:2]]
+    rec["transcripts"] = [e.transcript(("persuader", "user")) for e in res["real_users"]["episodes"][::n_real][:2]]
     acts = [tuple(e.info.get("acts", ())) for e in res["real_users"]["episodes"]]
     rec["top_sequence"] = " | ".join(max(set(acts), key=acts.count)) if acts else ""
     return rec
@@ -264,7 +267,7 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
                total=steps + 1, disable=not progress)
     for step in bar:
         if step % c.eval_every == 0 or step == steps:
-            rec = eval_record(toy, m, method, seed, step)
+            rec = eval_record(toy, m, method, seed, step, final=step == steps)
             if c.meter_every and (step % c.meter_every == 0 or step == steps):
                 rec["meter"] = collapse_meter(toy.env, m.policy, m.partner if method not in ("base",) else toy.frozen["sim-a"],
                                               tasks, n_ref=2, n_resample=4, n_mode=6)

@@ -74,11 +74,12 @@ class ToyModelConfig:
 
     def key(self) -> str:
         """The cache folder's name: a hash of everything the simulators depend on."""
-        fields = {k: v for k, v in asdict(self).items() if k not in ("policy_skill", "policy_asks", "workers")}
+        fields = {k: v for k, v in asdict(self).items()
+                  if k not in ("policy_steps", "policy_skill", "policy_asks", "workers")}
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
     def policy_name(self) -> str:
-        return f"policy-base-skill{self.policy_skill:g}-asks{self.policy_asks:g}"
+        return f"policy-base-skill{self.policy_skill:g}-asks{self.policy_asks:g}-steps{self.policy_steps}"
 
 
 def vs_conversations(env: ToyEnv, world: World, transcripts, n: int, rng, k: int = 5):

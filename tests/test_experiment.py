@@ -12,7 +12,7 @@ TINY_MODELS = ToyModelConfig(hidden=32, vocab=640, transcripts=120, vs_examples=
 
 def tiny_config(name, methods=("base", "single", "population"), ablations=()):
     return experiment.ToyConfig(name=name, methods=methods, seeds=(0,), steps=4, groups=2, group_size=2,
-                                eval_every=2, eval_episodes=1, meter_every=4, workers=1, pool_every=1,
+                                eval_every=2, eval_episodes=1, final_episodes=6, meter_every=4, workers=1, pool_every=1,
                                 models=TINY_MODELS, ablations=ablations)
 
 
@@ -62,6 +62,9 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
         assert r["heldout"]["unseen"]["final_mean"] is not None
     for key in ("train_reward", "entropy", "zero_variance"):
         assert set(saved["methods"]["single"][key]) == {"first", "last"}
+    # the last evaluation measures the real users with `final_episodes` per persona (4 personas)
+    evals = [r for r in records(run_dir) if r["method"] == "single" and r["kind"] == "eval"]
+    assert [len(r["real_users_rewards"]) for r in evals] == [4 * 4, 4 * 4, 6 * 4]
     assert (run_dir / "curves.png").stat().st_size > 1000
     md = (run_dir / "report.md").read_text()
     assert "Verbalized Sampling" in md
