@@ -17,7 +17,7 @@ so it is an upper bound on how easily an LM can learn the adaptive strategy.
 
     python bench/toy_design.py                 # all arms, 3 seeds (about 3 minutes on 1 core)
     python bench/toy_design.py --steps 100 --seeds 1
-    python bench/toy_design.py --steps 50 --groups 2 --base 0.2,0.5 --lr 0.05
+    python bench/toy_design.py --steps 50 --groups 2 --base 0.6,0.5 --lr 0.05
         # the toy run's budget (50 steps x 8 groups), starting from the LM policy base's acts
 """
 
@@ -168,7 +168,7 @@ def main():
     ap.add_argument("--lr", type=float, default=Config.lr)
     ap.add_argument("--groups", type=int, default=Config.groups_per_persona, help="groups per persona per step")
     ap.add_argument("--base", default=None, metavar="SKILL,ASKS",
-                    help="start from the LM policy base's act distribution, e.g. 0.2,0.5 (default: uniform)")
+                    help="start from the LM policy base's act distribution, e.g. 0.6,0.5 (default: uniform)")
     ap.add_argument("--arms", default="single,vs,oracle,ensemble")
     args = ap.parse_args()
     skill, asks = (None, 0.5) if args.base is None else map(float, args.base.split(","))

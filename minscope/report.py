@@ -170,24 +170,28 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
              f"best fixed sequence **{ref['best_fixed']:.3f}**, best adaptive policy **{ref['best_adaptive']:.3f}**; "
              f"the exploit ({', '.join(ref.get('exploit', ['?']))}) scores {ref.get('exploit_real', float('nan')):.3f} on real users "
              f"and {ref.get('exploit_sharpened', float('nan')):.3f} inside the gamma-sharpened users.", "",
-             "| method | real users, final (95% CI) | real users, best | at best panel ckpt | unseen sims, final | "
+             "| method | real users, final (95% CI) | per seed | real users, best | at best panel ckpt | unseen sims, final | "
              "train reward first → last | entropy first → last | zero-var first → last | most common final sequence |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     header = lines[-2:]
 
     def row(r):
         h = r["heldout"]["real_users"]
         ci = h["final_ci95"]
-        return (f"| {r['label']} | {fmt(h['final_mean'])} ({fmt(ci[0], 2)}–{fmt(ci[1], 2)}) | {fmt(h['best_mean'])} | "
+        seeds = " ".join(fmt(x)[1:] if x is not None and 0 <= x < 1 else fmt(x) for x in h.get("final_per_seed", []))
+        return (f"| {r['label']} | {fmt(h['final_mean'])} ({fmt(ci[0], 2)}–{fmt(ci[1], 2)}) | {seeds} | {fmt(h['best_mean'])} | "
                 f"{fmt(h['selected_mean'])} | {fmt(r['heldout']['unseen']['final_mean'])} | "
                 f"{fmt(r['train_reward']['first'], 2)} → {fmt(r['train_reward']['last'], 2)} | "
                 f"{fmt(r['entropy']['first'], 2)} → {fmt(r['entropy']['last'], 2)} | "
-                f"{fmt(r['zero_variance']['first'], 2)} → {fmt(r['zero_variance']['last'], 2)} | {r['top_sequence']} |")
+                f"{fmt(r['zero_variance']['first'], 2)} → {fmt(r['zero_variance']['last'], 2)} | {r['top_sequence'].replace(' | ', ', ')} |")
 
     main = {m: r for m, r in results["methods"].items() if ":" not in m}
     ablations = {m: r for m, r in results["methods"].items() if ":" in m}
     lines += [row(r) for r in main.values()]
-    lines += ["", "Final = last evaluation (the policy sampling at its training temperature), averaged over seeds; CI from a two-level "
+    finals = [r for r in records if r.get("kind") == "eval" and "real_users_rewards" in r]
+    n_final = len(max(finals, key=lambda r: r["step"])["real_users_rewards"]) if finals else 0
+    lines += ["", f"Final = last evaluation ({n_final} real-user episodes per seed, the policy sampling at its "
+              "training temperature), averaged over seeds; CI from a two-level "
               "bootstrap (seeds, then episodes). Best = each seed's best evaluation, averaged. "
               "'At best panel ckpt' = the real-user score of the checkpoint with the best mean over the six "
               "simulators (what the paper keeps).", ""]
