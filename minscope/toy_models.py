@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .envs.toy import ACT_KEYS, ToyEnv, World
+from .envs.toy import ACT_KEYS, BLAND, ToyEnv, World, canonical_reply
 from .models import build_tiny_model, build_tokenizer
 from .sft import sft
 from .verbalized import Candidate, format_candidates, vs_instruction
@@ -67,6 +67,7 @@ class ToyModelConfig:
     policy_steps: int = 600     # SFT steps of the policy base
     policy_skill: float = 0.6   # share of the policy base's acts copied from the best adaptive policy
     policy_asks: float = 0.5    # share of its other (random) acts that are asks (2/7 would be uniform)
+    policy_blind: str = "small_ask"  # its skilled act when a probe reveals nothing ("": the best adaptive one)
     batch: int = 32
     lr: float = 3e-3
     seed: int = 0
@@ -76,11 +77,12 @@ class ToyModelConfig:
     def key(self) -> str:
         """The cache folder's name: a hash of everything the simulators depend on."""
         fields = {k: v for k, v in asdict(self).items()
-                  if k not in ("policy_steps", "policy_skill", "policy_asks", "workers")}
+                  if not k.startswith("policy_") and k != "workers"}
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
     def policy_name(self) -> str:
-        return f"policy-base-skill{self.policy_skill:g}-asks{self.policy_asks:g}-steps{self.policy_steps}"
+        blind = f"-blind-{self.policy_blind}" if self.policy_blind else ""
+        return f"policy-base-skill{self.policy_skill:g}-asks{self.policy_asks:g}-steps{self.policy_steps}{blind}"
 
 
 def vs_conversations(env: ToyEnv, world: World, transcripts, n: int, rng, k: int = 5):
@@ -174,6 +176,8 @@ class ToyModels:
 
             def persuader(history):
                 if rng.random() < c.policy_skill:
+                    if c.policy_blind and len(history) == 2 and canonical_reply(history[1]) == BLAND:
+                        return c.policy_blind
                     return table.get(history, "probe")
                 if rng.random() < c.policy_asks:
                     return ("small_ask", "big_ask")[rng.integers(2)]

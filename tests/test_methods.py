@@ -1,5 +1,4 @@
 """The SCOPE methods: every simulator strategy, the shared training step, the collapse meter."""
-import random
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ from minscope.envs.wordgame import Asker, WordGame
 from minscope.evaluate import collapse_meter
 from minscope.methods import METHODS, build_method, train_step
 from minscope.models import adapter_state, add_adapters, build_tiny_model
-from minscope.rollout import LMSpeaker, rollout
+from minscope.rollout import LMSpeaker
 from minscope.simulators import Ensemble, Frozen, PersonaGuided, Population, Verbalized
 from minscope.trainer import UpdateConfig
 from minscope.verbalized import Candidate, format_candidates

@@ -1,6 +1,5 @@
 """The teaching notebook runs top to bottom (its code cells, in order, in one namespace)."""
 import json
-import os
 from pathlib import Path
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "01_simulator_collapse.ipynb"

@@ -151,7 +151,7 @@ def test_split_is_the_same_in_a_fresh_python_process():
     ids = [f"user_{i}" for i in range(200)]
     here = "".join(persona_split(u)[1] for u in ids)
     code = ("from minscope.envs.p4g_data import persona_split; "
-            f"print(''.join(persona_split(f'user_{{i}}')[1] for i in range(200)))")
+            "print(''.join(persona_split(f'user_{i}')[1] for i in range(200)))")
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, check=True).stdout.strip()
