@@ -2,8 +2,9 @@
 
     tokenizer      byte-level BPE trained on the game's strings + the VS instruction
     policy base    a tiny LM behaviour-cloned on a decent but imperfect persuader (60% of
-                   its acts from the best adaptive policy, the rest random, half of them asks;
-                   RL adds a LoRA "policy" adapter on top)
+                   its acts from the best adaptive policy, except that it asks for 1 dollar
+                   when the probe reveals nothing; the rest random, half of them asks; RL adds
+                   a LoRA "policy" adapter on top)
     simulators     tiny LMs SFT'd on the persuadee side of real-user transcripts, each on
                    its own variant of the world. sim-a is the simulator RL (Single) and
                    Co-Training train against; "seen" ones are used in training (sim-a..c form
@@ -171,6 +172,11 @@ class ToyModels:
             # cues (even after 1,500 SFT steps) and no RL arm discovered that later (oracle
             # 0.36 on real users, measured); at 0.6 it does, and the arms start from a policy
             # that a collapsed simulator can make worse and a faithful one better.
+            # `policy_blind`: when the probe reveals nothing the best adaptive policy guesses a
+            # strategy (worth 0.392 there); asking for 1 dollar is worth 0.386. The base asks,
+            # so the upsell is one act away for every arm (a sharpened simulator never reveals
+            # anything). Guessing, one RL (Single) seed in three stayed on the guess: from
+            # "probe, strategy, small ask" the upsell is two acts away, across a valley.
             world, steps = World(), c.policy_steps
             table = world.best_adaptive()[1]
 
