@@ -123,6 +123,35 @@ def with_utterance_tokens(tokenizer):
     return tokenizer
 
 
+def base_persuader(c: ToyModelConfig, world: World, rng):
+    """The persuader the policy base is cloned from: history -> act key.
+
+    For a share `policy_skill` of its acts it does what the best adaptive policy would, and
+    otherwise acts at random, asking for money half the time (`policy_asks`). At skill 0.2
+    the 64-wide base did not learn to condition on the probe's cues (even after 1,500 SFT
+    steps) and no RL arm discovered that later (oracle 0.36 on real users, measured); at 0.6
+    it does, and the arms start from a policy that a collapsed simulator can make worse and a
+    faithful one better.
+    `policy_blind`: when the probe reveals nothing the best adaptive policy guesses a strategy
+    (worth 0.392 there); asking for 1 dollar is worth 0.386. The base asks, so the upsell is
+    one act away for every arm (a sharpened simulator never reveals anything). Guessing, one
+    RL (Single) seed in three stayed on the guess: from "probe, strategy, small ask" the
+    upsell is two acts away, across a valley.
+    """
+    table = world.best_adaptive()[1]
+    others = [a for a in ACT_KEYS if not a.endswith("_ask")]
+
+    def persuader(history):
+        if rng.random() < c.policy_skill:
+            if c.policy_blind and len(history) == 2 and canonical_reply(history[1]) == BLAND:
+                return c.policy_blind
+            return table.get(history, "probe")
+        if rng.random() < c.policy_asks:
+            return ("small_ask", "big_ask")[rng.integers(2)]
+        return others[rng.integers(len(others))]
+    return persuader
+
+
 class ToyModels:
     """Loads the tokenizer, policy base and simulators from the cache, training what is missing."""
 
@@ -166,29 +195,8 @@ class ToyModels:
         seed = c.seed + (100 if is_policy else list(SIMULATORS).index(name))
         rng = np.random.default_rng(seed)
         if is_policy:
-            # a persuader that, for a share `policy_skill` of its acts, does what the best
-            # adaptive policy would, and otherwise acts at random, asking for money half the
-            # time. At skill 0.2 the 64-wide base did not learn to condition on the probe's
-            # cues (even after 1,500 SFT steps) and no RL arm discovered that later (oracle
-            # 0.36 on real users, measured); at 0.6 it does, and the arms start from a policy
-            # that a collapsed simulator can make worse and a faithful one better.
-            # `policy_blind`: when the probe reveals nothing the best adaptive policy guesses a
-            # strategy (worth 0.392 there); asking for 1 dollar is worth 0.386. The base asks,
-            # so the upsell is one act away for every arm (a sharpened simulator never reveals
-            # anything). Guessing, one RL (Single) seed in three stayed on the guess: from
-            # "probe, strategy, small ask" the upsell is two acts away, across a valley.
             world, steps = World(), c.policy_steps
-            table = world.best_adaptive()[1]
-
-            def persuader(history):
-                if rng.random() < c.policy_skill:
-                    if c.policy_blind and len(history) == 2 and canonical_reply(history[1]) == BLAND:
-                        return c.policy_blind
-                    return table.get(history, "probe")
-                if rng.random() < c.policy_asks:
-                    return ("small_ask", "big_ask")[rng.integers(2)]
-                return others[rng.integers(len(others))]
-            others = [a for a in ACT_KEYS if not a.endswith("_ask")]
+            persuader = base_persuader(c, world, rng)
             transcripts = world.sample_transcripts(c.transcripts, rng, policy=persuader)
             conversations = self.env.sft_conversations(transcripts, role="agent")
         else:

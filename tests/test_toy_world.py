@@ -249,3 +249,28 @@ def test_policy_tokenizer_has_one_token_per_act_and_reply_and_round_trips():
     msgs = [{"role": "user", "content": NO}, {"role": "assistant", "content": ACTS["probe"] + ACTS["big_ask"]}]
     rendered = tok.apply_chat_template(msgs, tokenize=False)
     assert tok.decode(tok(rendered, add_special_tokens=False)["input_ids"]) == rendered
+
+
+def test_base_persuader_reads_cues_and_asks_when_the_probe_reveals_nothing(world):
+    """The policy base's teacher: the best adaptive act for a share `policy_skill`, except
+    a 1-dollar ask after a bland probe reply (which puts the upsell one act away)."""
+    from minscope.envs.toy import BLAND
+    from minscope.toy_models import ToyModelConfig, base_persuader
+
+    rng = np.random.default_rng(0)
+    expert = base_persuader(ToyModelConfig(policy_skill=1.0), world, rng)
+    assert expert(()) == "probe"
+    for i, strategy in enumerate(STRATEGIES):
+        assert expert((ACTS["probe"], CUES[i][0])) == strategy
+    assert expert((ACTS["probe"], BLAND)) == "small_ask"
+    # without the override it guesses a strategy, as the exact best policy does (by 0.006)
+    guesser = base_persuader(ToyModelConfig(policy_skill=1.0, policy_blind=""), world, rng)
+    assert guesser((ACTS["probe"], BLAND)) in STRATEGIES
+    # the unskilled part asks for money in a share `policy_asks` of its acts
+    pushy = base_persuader(ToyModelConfig(policy_skill=0.0, policy_asks=0.5), world, rng)
+    acts = [pushy(()) for _ in range(4000)]
+    assert abs(np.mean([a.endswith("_ask") for a in acts]) - 0.5) < 0.03
+    assert set(acts) == set(ACT_KEYS)
+    # the base's name (its cache folder) changes with its settings, the simulators' key does not
+    a, b = ToyModelConfig(), ToyModelConfig(policy_blind="", policy_skill=0.2, policy_steps=300)
+    assert a.policy_name() != b.policy_name() and a.key() == b.key()
