@@ -10,10 +10,15 @@ Every arm saves its full state after every step (tiny models: a few hundred KB),
 interrupted run loses at most the step in progress, and `--resume` continues where it
 stopped. All randomness (torch, numpy, python) is restored too, so on CPU a resumed run ends
 with the same numbers as an uninterrupted one.
+
+Evaluations run on random streams of their own, seeded by (seed, step) (`isolated_rng`): how
+often or how long an arm is evaluated does not change its training, and re-evaluating a saved
+checkpoint with `eval_record` reproduces the number the run logged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -222,7 +227,37 @@ def save_atomic(obj, path: Path):
 
 
 # --------------------------------------------------------------------------- one arm
+@contextlib.contextmanager
+def isolated_rng(seed: int, *speakers):
+    """Run a block on fresh random streams seeded by `seed`, then put every stream back:
+    torch, numpy and python's global generators, and the `rng` (and VS `stats`) of `speakers`."""
+    saved = random.getstate(), np.random.get_state()
+    own = [(s, {a: copy.deepcopy(getattr(s, a)) for a in ("rng", "stats") if hasattr(s, a)}) for s in speakers]
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            for s, attrs in own:
+                for a, v in attrs.items():
+                    setattr(s, a, v)
+
+
+def eval_seed(seed: int, step: int) -> int:
+    return 1_000_003 * (seed + 1) + step
+
+
 def eval_record(toy: Toy, m: Method, method: str, seed: int, step: int, final: bool = False) -> dict:
+    """One evaluation of the policy on the panel (on its own random streams, see `isolated_rng`)."""
+    with isolated_rng(eval_seed(seed, step)):
+        return _eval_record(toy, m, method, seed, step, final)
+
+
+def _eval_record(toy: Toy, m: Method, method: str, seed: int, step: int, final: bool) -> dict:
     c = toy.cfg
     rec = {"kind": "eval", "method": method, "seed": seed, "step": step}
     panel = toy.panel(seed * 1000 + step)
@@ -269,8 +304,9 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
         if step % c.eval_every == 0 or step == steps:
             rec = eval_record(toy, m, method, seed, step, final=step == steps)
             if c.meter_every and (step % c.meter_every == 0 or step == steps):
-                rec["meter"] = collapse_meter(toy.env, m.policy, m.partner if method not in ("base",) else toy.frozen["sim-a"],
-                                              tasks, n_ref=2, n_resample=4, n_mode=6)
+                partner = m.partner if method != "base" else toy.frozen["sim-a"]
+                with isolated_rng(eval_seed(seed, step) + 1, partner):
+                    rec["meter"] = collapse_meter(toy.env, m.policy, partner, tasks, n_ref=2, n_resample=4, n_mode=6)
             write(rec)
             if rec["panel"] > best["panel"]:
                 best = {"panel": rec["panel"], "step": step, "real_users": rec["real_users"]}

@@ -39,6 +39,38 @@ def test_interrupted_run_resumes_to_the_same_numbers(tmp_path, cache):
     assert records(resumed) == records(straight)
 
 
+def test_evaluation_does_not_change_training(tmp_path, cache):
+    # evaluations and the collapse meter draw from their own random streams, so evaluating
+    # more often (and metering a Population arm, whose partner draws pool slots) leaves every
+    # training step as it was
+    import dataclasses
+
+    cfg = tiny_config("toy", methods=("single", "population"))
+    often = dataclasses.replace(cfg, eval_every=1, meter_every=1)
+    train = lambda run: [r for r in records(run) if r["kind"] == "train"]   # noqa: E731
+    a = experiment.run(cfg, tmp_path / "a", cache, log=lambda *a: None, progress=False)
+    b = experiment.run(often, tmp_path / "b", cache, log=lambda *a: None, progress=False)
+    assert len(train(a)) == 8 and train(a) == train(b)
+    assert len([r for r in records(b) if "meter" in r]) > len([r for r in records(a) if "meter" in r])
+
+
+def test_final_checkpoint_reevaluates_to_the_logged_number(tmp_path, cache):
+    import torch
+
+    from minscope.models import load_adapter_state
+
+    cfg = tiny_config("toy", methods=("single",))
+    run_dir = experiment.run(cfg, tmp_path, cache, log=lambda *a: None, progress=False)
+    logged = [r for r in records(run_dir) if r["kind"] == "eval"][-1]
+    toy = experiment.Toy(cfg, cache, progress=False)
+    m = toy.method("single", 0)
+    load_adapter_state(m.policy.model, "policy", torch.load(run_dir / "arms" / "single-s0.pt",
+                                                            weights_only=False)["policy"])
+    again = experiment.eval_record(toy, m, "single", 0, cfg.steps, final=True)
+    assert again["real_users_rewards"] == logged["real_users_rewards"]
+    assert again["panel"] == logged["panel"]
+
+
 def test_existing_run_is_not_overwritten_without_resume(tmp_path, cache):
     cfg = tiny_config("toy", methods=("base",))
     experiment.run(cfg, tmp_path, cache, log=lambda *a: None, progress=False)
