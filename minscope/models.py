@@ -14,6 +14,7 @@ nothing. The reference model for the KL term is the base with adapters disabled.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 
@@ -47,6 +48,8 @@ def quiet():
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    # bitsandbytes (imported by peft) offers to download an optional CPU 4-bit kernel
+    logging.getLogger("bitsandbytes.backends.cpu").setLevel(logging.ERROR)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         from transformers.utils import logging as hf_logging
