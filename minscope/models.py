@@ -48,6 +48,8 @@ def quiet():
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    # the toy's LoRA on a tied LM head is never merged, which is what this warns about
+    warnings.filterwarnings("ignore", message=".*ensure_weight_tying.*")
     # bitsandbytes (imported by peft) offers to download an optional CPU 4-bit kernel
     logging.getLogger("bitsandbytes.backends.cpu").setLevel(logging.ERROR)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

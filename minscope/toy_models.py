@@ -248,7 +248,10 @@ class ToyModels:
 
 
 def worker_init():
-    """Set up a worker process: one CPU thread, and exit when the parent process dies."""
+    """Set up a worker process: one CPU thread, quiet libraries, and exit when the parent dies."""
+    from .models import quiet
+
+    quiet()
     torch.set_num_threads(1)   # several small processes beat one process fighting for cores
     try:                       # Linux: a killed parent must not leave workers running
         import ctypes
