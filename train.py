@@ -1,13 +1,14 @@
 """minscope: train policies against user simulators and watch simulator collapse happen.
 
-With no arguments this runs the toy persuasion experiment on CPU (or GPU), offline: tiny
+With no arguments this runs the toy persuasion experiment offline, on the CPU (also where
+there is a GPU: its models are 64 wide, one process per core suits them): tiny
 language models are trained from scratch and cached, then Base, RL (Single), Verbalized
 Sampling, Ensemble, Co-Training, Population Co-Training and an oracle arm are trained for
 3 seeds each (plus four Co-Training variants, seed 0) and evaluated on a held-out panel:
 about 25 minutes on 2 CPU cores the first time, 16 once the tiny models are cached; Ctrl-C
-loses at most one step (--resume continues). Results land in runs/<name>/ (report.md, results.json, plots). `--quick` runs the same code
-path in about two minutes (1 seed, 4 arms, small models: a smoke run, too small to show the
-effect).
+loses at most one step (--resume continues). Results land in runs/<name>/ (report.md,
+results.json, plots). `--quick` runs the same code path in about two minutes (1 seed,
+4 arms, small models: a smoke run, too small to show the effect).
 
 Real models and benchmarks:
     python train.py --env p4g --data PATH --policy Qwen/Qwen3-1.7B --simulator Qwen/Qwen3-1.7B --method vs
