@@ -23,11 +23,14 @@ as in tau2-bench.)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import random
 from collections import Counter
 
 import numpy as np
+import torch
 
 from .envs.base import Episode, Turn
 from .rollout import LMSpeaker, rollout
@@ -65,6 +68,35 @@ def pass_hat_k(successes_per_task: list[list[bool]], k: int) -> float:
             raise ValueError(f"pass^{k} needs at least {k} trials per task, got {n}")
         vals.append(math.comb(c, k) / math.comb(n, k))
     return float(np.mean(vals))
+
+
+# --------------------------------------------------------------------------- panel evaluation
+@contextlib.contextmanager
+def isolated_rng(seed: int, *speakers):
+    """Run a block on fresh random streams seeded by `seed`, then put every stream back:
+    torch's (CPU and CUDA), numpy's and python's global generators, and the `rng` (and VS
+    `stats`) of `speakers`. Training runs evaluate through this, so that evaluating more or
+    less often does not change what training samples next, and an evaluation can be
+    repeated exactly from the saved policy."""
+    saved = random.getstate(), np.random.get_state()
+    own = [(s, {a: copy.deepcopy(getattr(s, a)) for a in ("rng", "stats") if hasattr(s, a)}) for s in speakers]
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            for s, attrs in own:
+                for a, v in attrs.items():
+                    setattr(s, a, v)
+
+
+def eval_seed(seed: int, step: int) -> int:
+    """The seed of the evaluation at `step` of the run (or toy arm) with training seed `seed`."""
+    return 1_000_003 * (seed + 1) + step
 
 
 def evaluate_panel(env, policy: LMSpeaker, panel: dict, tasks, episodes_per_task: int = 8,

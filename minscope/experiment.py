@@ -18,7 +18,6 @@ checkpoint with `eval_record` reproduces the number the run logged.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -32,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .envs.toy import RealUsers, ToyEnv, World
-from .evaluate import collapse_meter, evaluate_panel
+from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
 from .methods import Method, build_method, train_step
 from .models import adapter_state, add_adapters, load_adapter_state
 from .rollout import LMSpeaker
@@ -227,30 +226,6 @@ def save_atomic(obj, path: Path):
 
 
 # --------------------------------------------------------------------------- one arm
-@contextlib.contextmanager
-def isolated_rng(seed: int, *speakers):
-    """Run a block on fresh random streams seeded by `seed`, then put every stream back:
-    torch, numpy and python's global generators, and the `rng` (and VS `stats`) of `speakers`."""
-    saved = random.getstate(), np.random.get_state()
-    own = [(s, {a: copy.deepcopy(getattr(s, a)) for a in ("rng", "stats") if hasattr(s, a)}) for s in speakers]
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed)
-        try:
-            yield
-        finally:
-            random.setstate(saved[0])
-            np.random.set_state(saved[1])
-            for s, attrs in own:
-                for a, v in attrs.items():
-                    setattr(s, a, v)
-
-
-def eval_seed(seed: int, step: int) -> int:
-    return 1_000_003 * (seed + 1) + step
-
-
 def eval_record(toy: Toy, m: Method, method: str, seed: int, step: int, final: bool = False) -> dict:
     """One evaluation of the policy on the panel (on its own random streams, see `isolated_rng`)."""
     with isolated_rng(eval_seed(seed, step)):

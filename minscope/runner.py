@@ -4,7 +4,8 @@ The same `methods.train_step` as the toy experiment; what differs is where the m
 tasks come from. Policy and simulator may share one base model (then the frozen simulator
 is that base with adapters disabled, and the trainable simulator is a second adapter on
 it). Every `--eval-every` steps the policy is evaluated on the test tasks against the panel
-and the adapters are saved in PEFT format; the full training state is saved every step so
+(on random streams of its own, so evaluating does not change training) and the adapters are
+saved in PEFT format; the full training state is saved every step so
 `--resume` continues an interrupted run.
 
     run_dir/config.json         train.py's arguments (model and data paths made absolute)
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .evaluate import evaluate_panel
+from .evaluate import eval_seed, evaluate_panel, isolated_rng
 from .methods import METHODS, build_method, train_step
 from .models import adapter_state, add_adapters, load_adapter, load_adapter_state, load_model, save_adapter
 from .rollout import LMSpeaker
@@ -319,7 +320,8 @@ def run_real(args):
     steps = args.steps
     for step in tqdm(range(start, steps + 1), desc=f"{args.env}/{args.method}", initial=start, total=steps + 1):
         if step % args.eval_every == 0 or step == steps:
-            res = evaluate_panel(env, models.policy, models.panel, test_tasks[: args.groups], episodes_per_task=1)
+            with isolated_rng(eval_seed(0, step)):   # evaluating does not change training's randomness
+                res = evaluate_panel(env, models.policy, models.panel, test_tasks[: args.groups], episodes_per_task=1)
             rec = {"kind": "eval", "step": step, "split": split, **panel_means(res)}
             log.write(json.dumps(rec) + "\n")
             log.flush()

@@ -120,6 +120,16 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path, model_dirs):
     assert all(torch.equal(final[whole][k], final[part][k]) for k in final[whole])
 
 
+def test_evaluating_more_often_does_not_change_training(tmp_path, model_dirs):
+    often = train(tmp_path, model_dirs, "single", "--steps", "2", name="often")            # steps 0, 1, 2
+    rarely = train(tmp_path, model_dirs, "single", "--steps", "2", "--eval-every", "2", name="rarely")
+    assert len(records(often, "eval")) == 3 and len(records(rarely, "eval")) == 2
+    a, b = records(often, "train"), records(rarely, "train")
+    for r in a + b:
+        r.pop("seconds", None)
+    assert len(a) == 2 and a == b
+
+
 def test_a_new_run_does_not_overwrite_an_existing_one(single_run, model_dirs):
     with pytest.raises(SystemExit, match="--resume"):
         train(single_run.parent, model_dirs, "single")
