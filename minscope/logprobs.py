@@ -27,9 +27,11 @@ tokens of a function of each token's own log-prob, so its derivative g = dloss/d
 known as soon as a chunk's log-probs are: the forward computes the gradient w.r.t. x
 (and W) on the spot and the backward only scales it. With the torch backend that is two
 matmuls per chunk (logits, dx) instead of three (logits, recomputed logits, dx), at the
-price of holding the fp32 logits of one chunk. The triton backend does the same: its
-statistics kernel also writes the chunk's logits, and one elementwise kernel turns them
-into the gradient. Nothing besides dx (and dW) has to be kept for the backward.
+price of holding the fp32 logits of one chunk. The triton backend goes further: its
+statistics kernel also writes each tile's exp(z - running max) in the input dtype, and
+the dx matmul makes the gradient from them tile by tile inside its own loop, so no
+gradient block [chunk, V] is ever written (see `minscope.triton_logprobs`). Nothing
+besides dx (and dW) has to be kept for the backward.
 
 The gradient w.r.t. W is summed over row chunks in fp32 and only cast to W's dtype at the
 end. The weight is usually frozen (LoRA); tiny models trained from scratch do need it.
@@ -328,10 +330,10 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
                     entropy[rows] = ent
                 del z
             else:
-                # the kernel stores the chunk's logits from the tiles it computes anyway
+                # the kernel stores the chunk's exp(z - m) from the tiles it computes anyway
                 from . import triton_logprobs
-                lp, lse, ent, z = triton_logprobs.softmax_stats(x_c, weight, y_c, temperature,
-                                                                return_logits=True)
+                lp, lse, ent, stored = triton_logprobs.softmax_stats(x_c, weight, y_c, temperature,
+                                                                     store_probs=True)
                 if want_entropy:
                     entropy[rows] = ent
             logp[rows] = lp
@@ -339,14 +341,17 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
             chunk_loss, dlogp = _grpo_dloss_dlogp(lp, old_logp[rows], ref_c, advantages[rows],
                                                   token_weights[rows], eps_low, eps_high, beta)
             loss += chunk_loss
-            if need_dx or need_dw:
+            if backend == "triton" and need_dx and not need_dw:
+                # frozen LM head (LoRA): dx straight from the stored p, G never in memory
+                grads.dx[rows] = triton_logprobs.dx_from_probs(stored, y_c, lse, dlogp, weight, temperature)
+            elif need_dx or need_dw:
                 if backend == "torch":
                     g = _probs_to_logit_grad(probs, y_c, dlogp, temperature, x.dtype)
                 else:
-                    g = triton_logprobs.grad_from_logits(z, y_c, lse, dlogp, temperature, x.dtype)
+                    g = triton_logprobs.grad_from_probs(stored, y_c, lse, dlogp, temperature)
                 grads.add(rows, x_c, g)
                 del g
-            probs = z = None    # free this chunk's [C, V] blocks before the next one is made
+            probs = stored = None    # free this chunk's [C, V] block before the next one is made
         dx, dw = grads.result()
         ctx.save_for_backward(dx, dw)
         ctx.mark_non_differentiable(*([logp, entropy] if want_entropy else [logp]))

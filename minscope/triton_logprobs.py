@@ -9,19 +9,19 @@ the rest of minscope never needs Triton. Notation, for N rows, hidden size H, vo
     logp = z[y] - lse                       [N]
     entropy = lse - sum_v softmax(z)_v z_v  [N]
 
-Three kernels:
+Four kernels:
 
 * `_softmax_stats_kernel` (forward). One program owns BLOCK_N rows and one slice of the
   vocabulary. For each [BLOCK_N, BLOCK_V] tile it computes z with `tl.dot` over H, then,
   while the tile is still in registers, updates the online softmax state of each row:
   running max m, sum of exp(z - m), sum of exp(z - m) * z (for the entropy) and the target
-  logit. Nothing of size [N, V] touches memory (unless STORE_Z, below). Splitting the
+  logit. Nothing of size [N, V] touches memory (unless STORE_P, below). Splitting the
   vocabulary over programs keeps the GPU busy when N is small; the per-split states [N, S]
   are merged in PyTorch (tiny).
 
 * `_logit_grad_kernel` (backward of `token_logprobs`). One program owns one
-  [BLOCK_N, BLOCK_V] tile: it recomputes z with `tl.dot`, and in the same registers forms the gradient w.r.t.
-  the raw logits x @ W.T,
+  [BLOCK_N, BLOCK_V] tile: it recomputes z with `tl.dot`, and in the same registers forms
+  the gradient w.r.t. the raw logits x @ W.T,
 
       G = dlogp[:, None] * (onehot(y) - exp(z - lse)) / T
 
@@ -32,15 +32,27 @@ Three kernels:
   tile of G in the input dtype; `logprobs` walks the rows chunk by chunk.
   Logits, recomputed logits, dx: three matmuls.
 
-* `_grad_from_logits_kernel` (fused GRPO loss). There the upstream gradient dlogp is known
-  in the forward pass, right after a chunk's statistics, so the statistics kernel also
-  stores the chunk's fp32 logits (STORE_Z) and this elementwise kernel turns them into G in
-  one read and one write -- no recomputation: two matmuls (logits, dx), for the price of
-  holding [chunk, V] fp32 logits plus G (0.9 GB at 1,024 x 151,936).
+* `_dx_from_probs_kernel` (fused GRPO loss, frozen LM head). There the upstream gradient
+  dlogp is known in the forward pass, right after a chunk's statistics, so nothing needs
+  recomputing if the statistics kernel leaves something behind. It stores (STORE_P), from
+  the tiles it has in registers anyway, p = exp(z - m) in the input dtype with m the
+  running max after the tile (so p <= 1, and exactly 1 at a row's maximum), plus m itself
+  per row and tile. Then softmax(z) = p * exp(m - lse), and dx = G @ W is a GEMM over the
+  vocabulary whose A operand is made in registers, tile by tile, from p: the gradient
+  epilogue lives inside the matmul, and no [N, V] gradient is ever written. Two matmuls
+  (logits, dx); memory traffic beyond them: p written once and read once (2 + 2 bytes per
+  logit in bf16); extra memory: p, 0.31 GB at 1,024 x 151,936 in bf16.
+  Rounding: G is rounded to bf16 for the tensor cores anyway; p's own bf16 rounding
+  adds about as much again, relative to each entry. A confident target (p(y) -> 1) is
+  the row's max, so its p is exactly 1 and 1 - p(y) keeps its precision (tested).
+
+* `_grad_from_probs_kernel` (fused GRPO loss, trainable LM head). dW = G.T @ x needs G
+  itself: this elementwise kernel writes it from p (one read, one write) and cuBLAS does
+  dx and dW. Tiny models trained from scratch use this; LoRA never does.
 
 Tile sizes come from `tile_config`: ordinary bf16 GEMM tiles (128 x 128 output tiles
 where shared memory allows, as on Hopper and A100; 64 x 128 on consumer GPUs with
-~100 KB per block), 3 pipeline stages. The tests compile both kernels ahead of time for
+~100 KB per block), 3 pipeline stages. The tests compile every kernel ahead of time for
 sm_86 and sm_90 (no GPU needed) and check that they use tensor-core MMAs and fit in
 shared memory; the sizes have not been tuned on hardware.
 
@@ -52,6 +64,7 @@ The products of two bf16 numbers are exact in fp32, so this does not change the 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -81,14 +94,16 @@ def _logits_tile(x_ptr, w_ptr, rows, cols, N, V, H, stride_x, stride_w, inv_temp
 
 
 @triton.jit
-def _softmax_stats_kernel(x_ptr, w_ptr, y_ptr, max_ptr, sumexp_ptr, sumexpz_ptr, target_ptr, z_ptr,
-                          N, V, H, stride_x, stride_w, stride_z, inv_temp, v_per_split, n_splits,
+def _softmax_stats_kernel(x_ptr, w_ptr, y_ptr, max_ptr, sumexp_ptr, sumexpz_ptr, target_ptr,
+                          p_ptr, tmax_ptr, N, V, H, stride_x, stride_w, stride_p, stride_t, inv_temp,
+                          v_per_split, n_splits,
                           BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                          DOT_FP32: tl.constexpr, IEEE: tl.constexpr, STORE_Z: tl.constexpr):
+                          DOT_FP32: tl.constexpr, IEEE: tl.constexpr, STORE_P: tl.constexpr):
     """Online softmax state of BLOCK_N rows over one vocab slice -> partials [N, n_splits].
 
-    STORE_Z: also write the fp32 logits tile to z_ptr (for the fused GRPO loss, whose
-    gradient then needs no second logits matmul)."""
+    STORE_P (for the fused GRPO loss): also write each tile's exp(z - m), m the running max
+    after the tile, to p_ptr in p's dtype, and m to tmax_ptr[row, tile index]; then
+    softmax(z) = p * exp(m - lse) needs no second logits matmul."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)     # [BLOCK_N]
@@ -109,14 +124,15 @@ def _softmax_stats_kernel(x_ptr, w_ptr, y_ptr, max_ptr, sumexp_ptr, sumexpz_ptr,
         col_ok = cols < v_end
         z = _logits_tile(x_ptr, w_ptr, rows, cols, N, V, H, stride_x, stride_w, inv_temp,
                          BLOCK_N, BLOCK_V, BLOCK_H, DOT_FP32, IEEE)   # [BLOCK_N, BLOCK_V]
-        if STORE_Z:
-            tl.store(z_ptr + rows[:, None] * stride_z + cols[None, :], z,
-                     mask=row_ok[:, None] & col_ok[None, :])
         z = tl.where(col_ok[None, :], z, float("-inf"))
         # the softmax epilogue, on the tile still in registers
         m_new = tl.maximum(m, tl.max(z, axis=1))
         rescale = tl.exp(m - m_new)                                   # 0 on the first tile
         p = tl.exp(z - m_new[:, None])                                # 0 on padded columns
+        if STORE_P:   # p <= 1, and exactly 1 at the running max (e.g. a confident target)
+            tl.store(p_ptr + rows[:, None] * stride_p + cols[None, :], p.to(p_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & col_ok[None, :])
+            tl.store(tmax_ptr + rows * stride_t + v0 // BLOCK_V, m_new, mask=row_ok)
         s = s * rescale + tl.sum(p, axis=1)
         t = t * rescale + tl.sum(p * tl.where(col_ok[None, :], z, 0.0), axis=1)
         is_target = cols[None, :] == y[:, None]
@@ -159,20 +175,75 @@ def _logit_grad_kernel(x_ptr, w_ptr, y_ptr, lse_ptr, dlogp_ptr, g_ptr,
 
 
 @triton.jit
-def _grad_from_logits_kernel(z_ptr, y_ptr, lse_ptr, dlogp_ptr, g_ptr, N, V, stride_z, stride_g, inv_temp,
-                             BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
-    """G = dlogp * (onehot(y) - exp(z - lse)) / T from stored fp32 logits: one read, one write."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+def _probs_tile_grad(p_ptr, tmax_ptr, rows, v0, y, lse, coef, N, V, stride_p, stride_t,
+                     BLOCK_V: tl.constexpr, BLOCK_V_STATS: tl.constexpr):
+    """G = coef * (onehot(y) - softmax(z)) on columns v0 .. v0 + BLOCK_V, fp32 [BLOCK_N, BLOCK_V].
+
+    From the stored p = exp(z - m) and the stats kernel's tile maxes m: softmax = p * exp(m - lse).
+    BLOCK_V divides BLOCK_V_STATS and v0 is a multiple of BLOCK_V, so these columns share one m."""
+    cols = v0 + tl.arange(0, BLOCK_V)
     row_ok = rows < N
-    mask = row_ok[:, None] & (cols[None, :] < V)
+    p = tl.load(p_ptr + rows[:, None] * stride_p + cols[None, :],
+                mask=row_ok[:, None] & (cols[None, :] < V), other=0.0).to(tl.float32)
+    tmax = tl.load(tmax_ptr + rows * stride_t + v0 // BLOCK_V_STATS, mask=row_ok, other=0.0)
+    probs = p * tl.exp(tmax - lse)[:, None]
+    onehot = (cols[None, :] == y[:, None]).to(tl.float32)
+    return coef[:, None] * (onehot - probs)
+
+
+@triton.jit
+def _grad_from_probs_kernel(p_ptr, tmax_ptr, y_ptr, lse_ptr, coef_ptr, g_ptr,
+                            N, V, stride_p, stride_t, stride_g,
+                            BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_V_STATS: tl.constexpr):
+    """G [N, V] in g's dtype (only when the LM head itself needs a gradient)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    v0 = tl.program_id(1).to(tl.int64) * BLOCK_V
+    cols = v0 + tl.arange(0, BLOCK_V)
+    row_ok = rows < N
     y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    dlogp = tl.load(dlogp_ptr + rows, mask=row_ok, other=0.0)
-    z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0)
-    onehot = (cols[None, :] == y[:, None]).to(tl.float32)
-    grad = (dlogp * inv_temp)[:, None] * (onehot - tl.exp(z - lse[:, None]))
-    tl.store(g_ptr + rows[:, None] * stride_g + cols[None, :], grad.to(g_ptr.dtype.element_ty), mask=mask)
+    coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
+    grad = _probs_tile_grad(p_ptr, tmax_ptr, rows, v0, y, lse, coef, N, V, stride_p, stride_t,
+                            BLOCK_V, BLOCK_V_STATS)
+    tl.store(g_ptr + rows[:, None] * stride_g + cols[None, :], grad.to(g_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (cols[None, :] < V))
+
+
+@triton.jit
+def _dx_from_probs_kernel(p_ptr, tmax_ptr, y_ptr, lse_ptr, coef_ptr, w_ptr, out_ptr,
+                          N, V, H, stride_p, stride_t, stride_w, v_per_split,
+                          BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                          BLOCK_V_STATS: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    """out[split, rows, hs] = sum over the split's vocab of G[rows, v] * W[v, hs], fp32.
+
+    A GEMM over the vocabulary whose A operand, G, is made tile by tile in registers from
+    the stored p (the gradient epilogue fused into the matmul): no [N, V] G in memory."""
+    pid_n = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    hs = pid_h.to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < N
+    y = tl.load(y_ptr + rows, mask=row_ok, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    coef = tl.load(coef_ptr + rows, mask=row_ok, other=0.0)
+    acc = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
+    v_start = split.to(tl.int64) * v_per_split
+    v_end = tl.minimum(v_start + v_per_split, V)
+    for v0 in range(v_start, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        g = _probs_tile_grad(p_ptr, tmax_ptr, rows, v0, y, lse, coef, N, V, stride_p, stride_t,
+                             BLOCK_V, BLOCK_V_STATS)                           # [BLOCK_N, BLOCK_V]
+        w = tl.load(w_ptr + cols[:, None] * stride_w + hs[None, :],
+                    mask=(cols[:, None] < V) & (hs[None, :] < H), other=0.0)    # [BLOCK_V, BLOCK_H]
+        if DOT_FP32:    # interpreter: round G as the GPU would, multiply in fp32
+            acc += tl.dot(g.to(w_ptr.dtype.element_ty).to(tl.float32), w.to(tl.float32))
+        elif IEEE:
+            acc = tl.dot(g, w, acc, input_precision="ieee")
+        else:           # G rounded to W's dtype for the tensor cores, fp32 accumulation
+            acc = tl.dot(g.to(w_ptr.dtype.element_ty), w, acc)
+    out = out_ptr + split.to(tl.int64) * N * H + rows[:, None] * H + hs[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & (hs[None, :] < H))
 
 
 # ------------------------------------------------------------------------------ launchers
@@ -195,9 +266,13 @@ def tile_config(shared_memory_bytes: int, dtype: torch.dtype) -> dict:
     # 3 pipeline stages of [BLOCK_N, BLOCK_H] + [BLOCK_V, BLOCK_H] tiles live in shared
     # memory: 128 rows need ~96 KB (Hopper: 227 KB, A100: 163 KB), 64 rows ~48 KB, which
     # also fits the ~100 KB of consumer GPUs. fp32 tiles take twice the bytes per element,
-    # so they step through H half as far.
-    return dict(block_n=128 if shared_memory_bytes >= 160 * 1024 else 64, block_v=128,
-                block_h=32 if dtype == torch.float32 else 64, num_warps=8, num_stages=3)
+    # so they step through H half as far. The dx kernel (dx_*) is a GEMM over the vocabulary:
+    # [BLOCK_N, dx_block_v] tiles of p and [dx_block_v, dx_block_h] tiles of W per stage;
+    # dx_block_v must divide block_v (one tile max per row and step).
+    big = shared_memory_bytes >= 160 * 1024
+    fp32 = dtype == torch.float32
+    return dict(block_n=128 if big else 64, block_v=128, block_h=32 if fp32 else 64,
+                dx_block_h=128, dx_block_v=32 if fp32 else 64, num_warps=8, num_stages=3)
 
 
 def kernel_config(device: torch.device, dtype: torch.dtype) -> dict:
@@ -217,14 +292,21 @@ def _vocab_splits(n_rows: int, n_vocab: int, device: torch.device, block_n: int,
     return max(1, min(triton.cdiv(2 * sms, row_blocks), triton.cdiv(n_vocab, block_v)))
 
 
+class StoredProbs(NamedTuple):
+    """What the statistics kernel leaves for the fused GRPO gradient (STORE_P)."""
+    p: torch.Tensor          # [N, V] exp(z - m) in the input dtype
+    tile_max: torch.Tensor   # [N, ceil(V / block_v)] fp32: m, per row and vocab tile
+    block_v: int             # the statistics kernel's vocab tile
+
+
 def softmax_stats(hidden, weight, targets, temperature: float = 1.0, v_splits: int | None = None,
-                  config: dict | None = None, return_logits: bool = False):
+                  config: dict | None = None, store_probs: bool = False):
     """(logp [N], lse [N], entropy [N]) in fp32, without building [N, V] logits.
 
     hidden [N, H] and weight [V, H] share a dtype and have a contiguous last dim;
     targets [N] int64 ids in [0, V). `config` overrides entries of `kernel_config`.
-    return_logits: also return the fp32 logits z [N, V], written by the same kernel from the
-    tiles it computes anyway (what `grad_from_logits` needs).
+    store_probs: also return a `StoredProbs`, written by the same kernel from the tiles it
+    computes anyway: what `dx_from_probs` and `grad_from_probs` need.
     """
     cfg = {**kernel_config(hidden.device, hidden.dtype), **(config or {})}
     hidden, weight, targets = _unit_stride(hidden), _unit_stride(weight), targets.contiguous()
@@ -236,15 +318,20 @@ def softmax_stats(hidden, weight, targets, temperature: float = 1.0, v_splits: i
     splits = triton.cdiv(v, v_per_split)
     partial = torch.empty(4, n, splits, dtype=torch.float32, device=hidden.device)
     run_max, sumexp, sumexpz, z_target = partial                       # each [N, S]
-    # without return_logits, z_ptr is a dummy the kernel never touches (STORE_Z=False)
-    z = torch.empty(n, v, dtype=torch.float32, device=hidden.device) if return_logits else run_max
+    if store_probs:
+        stored = StoredProbs(torch.empty(n, v, dtype=hidden.dtype, device=hidden.device),
+                             torch.empty(n, triton.cdiv(v, cfg["block_v"]), dtype=torch.float32,
+                                         device=hidden.device), cfg["block_v"])
+        p, tile_max = stored.p, stored.tile_max
+    else:   # dummies the kernel never touches (STORE_P=False)
+        p = tile_max = run_max
     dot_fp32, ieee = _dot_flags(hidden.dtype)
     grid = (triton.cdiv(n, cfg["block_n"]), splits)
     _softmax_stats_kernel[grid](
-        hidden, weight, targets, run_max, sumexp, sumexpz, z_target, z,
-        n, v, h, hidden.stride(0), weight.stride(0), z.stride(0), 1.0 / temperature, v_per_split, splits,
-        BLOCK_N=cfg["block_n"], BLOCK_V=cfg["block_v"], BLOCK_H=cfg["block_h"],
-        DOT_FP32=dot_fp32, IEEE=ieee, STORE_Z=return_logits,
+        hidden, weight, targets, run_max, sumexp, sumexpz, z_target, p, tile_max,
+        n, v, h, hidden.stride(0), weight.stride(0), p.stride(0), tile_max.stride(0), 1.0 / temperature,
+        v_per_split, splits, BLOCK_N=cfg["block_n"], BLOCK_V=cfg["block_v"], BLOCK_H=cfg["block_h"],
+        DOT_FP32=dot_fp32, IEEE=ieee, STORE_P=store_probs,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     # merge the per-split states: bring every split to the common max, then add up
@@ -255,20 +342,60 @@ def softmax_stats(hidden, weight, targets, temperature: float = 1.0, v_splits: i
     lse = m + torch.log(s)
     logp = z_target.sum(dim=1) - lse
     entropy = lse - t / s
-    if return_logits:
-        return logp, lse, entropy, z
+    if store_probs:
+        return logp, lse, entropy, stored
     return logp, lse, entropy
 
 
-def grad_from_logits(z, targets, lse, dlogp, temperature: float = 1.0, dtype=torch.float32,
-                     block_n: int = 32, block_v: int = 256):
-    """G [N, V] in `dtype`: `logit_grad`'s result from stored fp32 logits z [N, V] (no matmul)."""
-    n, v = z.shape
-    grad = torch.empty(n, v, dtype=dtype, device=z.device)
+def dx_from_probs(stored: StoredProbs, targets, lse, dlogp, weight, temperature: float = 1.0,
+                  v_splits: int | None = None, config: dict | None = None):
+    """dx [N, H] = G @ weight in weight's dtype, G = d(sum dlogp * logp)/d(logits) made on the fly.
+
+    The gradient epilogue runs inside the matmul's tiles (`_dx_from_probs_kernel`), so this
+    reads the stored p once and writes nothing of size [N, V]. Vocab splits (partial sums in
+    fp32, added here) keep the GPU busy when N x H has few output tiles.
+    """
+    cfg = {**kernel_config(weight.device, weight.dtype), **(config or {})}
+    if stored.block_v % cfg["dx_block_v"]:
+        raise ValueError(f"dx_block_v={cfg['dx_block_v']} must divide the stats tile {stored.block_v}")
+    weight, targets = _unit_stride(weight), targets.contiguous()
+    n, v = stored.p.shape
+    h = weight.shape[1]
+    if v_splits is None:
+        v_splits = 1
+        if weight.is_cuda:
+            tiles = triton.cdiv(n, cfg["block_n"]) * triton.cdiv(h, cfg["dx_block_h"])
+            sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+            v_splits = max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(v, stored.block_v)))
+    # every split starts on a stats tile, so each dx step sees one tile max per row
+    v_per_split = triton.cdiv(triton.cdiv(v, v_splits), stored.block_v) * stored.block_v
+    v_splits = triton.cdiv(v, v_per_split)
+    out = torch.empty(v_splits, n, h, dtype=torch.float32, device=weight.device)
+    coef = (dlogp.float() / temperature).contiguous()
+    dot_fp32, ieee = _dot_flags(weight.dtype)
+    grid = (triton.cdiv(n, cfg["block_n"]), triton.cdiv(h, cfg["dx_block_h"]), v_splits)
+    _dx_from_probs_kernel[grid](
+        stored.p, stored.tile_max, targets, lse.float().contiguous(), coef, weight, out,
+        n, v, h, stored.p.stride(0), stored.tile_max.stride(0), weight.stride(0), v_per_split,
+        BLOCK_N=cfg["block_n"], BLOCK_V=cfg["dx_block_v"], BLOCK_H=cfg["dx_block_h"],
+        BLOCK_V_STATS=stored.block_v, DOT_FP32=dot_fp32, IEEE=ieee,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return (out[0] if v_splits == 1 else out.sum(dim=0)).to(weight.dtype)
+
+
+def grad_from_probs(stored: StoredProbs, targets, lse, dlogp, temperature: float = 1.0, block_n: int = 32):
+    """G [N, V] in p's dtype: `logit_grad`'s result from stored probabilities (no matmul).
+
+    Only for a trainable LM head, whose dW = G.T @ hidden needs G itself."""
+    n, v = stored.p.shape
+    block_v = stored.block_v
+    grad = torch.empty_like(stored.p)
     grid = (triton.cdiv(n, block_n), triton.cdiv(v, block_v))
-    _grad_from_logits_kernel[grid](z, targets.contiguous(), lse.float().contiguous(),
-                                   dlogp.float().contiguous(), grad, n, v, z.stride(0), grad.stride(0),
-                                   1.0 / temperature, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=4)
+    _grad_from_probs_kernel[grid](stored.p, stored.tile_max, targets.contiguous(), lse.float().contiguous(),
+                                  (dlogp.float() / temperature).contiguous(), grad, n, v,
+                                  stored.p.stride(0), stored.tile_max.stride(0), grad.stride(0),
+                                  BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_V_STATS=stored.block_v,
+                                  num_warps=4)
     return grad
 
 

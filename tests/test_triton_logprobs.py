@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL_TILES = dict(block_n=16, block_v=32, block_h=16)
+SMALL_TILES = dict(block_n=16, block_v=32, block_h=16, dx_block_h=16, dx_block_v=16)
 
 
 def interpreter_checks() -> dict:
@@ -76,13 +76,36 @@ def interpreter_checks() -> dict:
         onehot = torch.nn.functional.one_hot(targets, 300).float()
         out[f"{name}/logit_grad_dtype_ok"] = float(grad.dtype == dtype)
         out[f"{name}/logit_grad_rel"] = rel(grad, dlogp[:, None] * (onehot - log_p.exp()) / temperature)
-        # the fused GRPO path: the same kernel also stores the logits, G comes from them
-        *stats, z = triton_logprobs.softmax_stats(x, w, targets, temperature, v_splits=3,
-                                                  config=SMALL_TILES, return_logits=True)
-        out[f"{name}/stored_logits"] = err(z, x.float() @ w.float().T / temperature)
+        # the fused GRPO path: the same kernel also stores exp(z - m) and the tile maxes m
+        *stats, stored = triton_logprobs.softmax_stats(x, w, targets, temperature, v_splits=3,
+                                                       config=SMALL_TILES, store_probs=True)
+        out[f"{name}/stored_dtype_ok"] = float(stored.p.dtype == dtype)
         out[f"{name}/stored_stats_same"] = max(err(a, b) for a, b in zip(stats, (logp, lse, entropy)))
-        grad2 = triton_logprobs.grad_from_logits(z, targets, lse, dlogp, temperature, dtype, block_n=8, block_v=64)
-        out[f"{name}/grad_from_logits_rel"] = rel(grad2, dlogp[:, None] * (onehot - log_p.exp()) / temperature)
+        block_v = SMALL_TILES["block_v"]
+        scale = torch.exp(stored.tile_max - lse[:, None]).repeat_interleave(block_v, 1)[:, :300]
+        out[f"{name}/stored_probs"] = err(stored.p.float() * scale, log_p.exp())
+        want = dlogp[:, None] * (onehot - log_p.exp()) / temperature
+        grad2 = triton_logprobs.grad_from_probs(stored, targets, lse, dlogp, temperature, block_n=8)
+        out[f"{name}/grad_from_probs_rel"] = rel(grad2, want)
+        for splits in (1, 3):   # dx = G @ W with G made inside the matmul, whole vocab or 3 slices
+            dx = triton_logprobs.dx_from_probs(stored, targets, lse, dlogp, w, temperature,
+                                               v_splits=splits, config=SMALL_TILES)
+            out[f"{name}/dx_from_probs_dtype_ok/{splits}"] = float(dx.dtype == dtype and dx.shape == x.shape)
+            out[f"{name}/dx_from_probs_rel/{splits}"] = rel(dx, want @ w.float())
+
+    # --- a confident row (p(target) ~ 0.999): G's target entry, dlogp * (1 - p) / T, is small
+    # next to p and must not drown in the rounding of the stored p (the target is the row's
+    # max, so its stored exp(z - m) is exactly 1 in any dtype)
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden, weight, targets = inputs((5,), 32, 300, dtype, seed=7)
+        x, w = hidden.detach().clone(), weight.detach()
+        x[0] = (w[targets[0]].float() * 6).to(dtype)
+        log_p = exact_log_softmax(x, w, 1.0)
+        _, lse, _, stored = triton_logprobs.softmax_stats(x, w, targets, config=SMALL_TILES, store_probs=True)
+        g = triton_logprobs.grad_from_probs(stored, targets, lse, torch.ones(5), block_n=8)
+        want = 1 - log_p[0, targets[0]].exp()
+        out[f"confident/{str(dtype)[6:]}/p_target"] = log_p[0, targets[0]].exp().item()
+        out[f"confident/{str(dtype)[6:]}/target_grad_rel"] = abs(g[0, targets[0]].item() - want.item()) / want.item()
 
     # --- token_logprobs: triton backend vs torch backend (fp32 maths on the same values)
     for dtype in (torch.float32, torch.bfloat16):
@@ -105,27 +128,32 @@ def interpreter_checks() -> dict:
         out[f"{name}/d_weight_rel"] = rel(d_weight, ref_dw)
 
     # --- fused GRPO loss: triton vs torch, beta > 0 and some ratios clipped
-    for dtype in (torch.float32, torch.bfloat16):
-        name = f"fused_grpo/{str(dtype)[6:]}"
-        hidden, weight, targets = inputs((29,), 32, 300, dtype, seed=5, weight_grad=True)
+    for dtype, head in [(torch.float32, "trainable"), (torch.bfloat16, "trainable"),
+                        (torch.float32, "frozen"), (torch.bfloat16, "frozen")]:
+        # trainable head: G is made (grad_from_probs) for dW; frozen head (LoRA): dx_from_probs
+        name = f"fused_grpo/{str(dtype)[6:]}/{head}"
+        trainable = head == "trainable"
+        hidden, weight, targets = inputs((29,), 32, 300, dtype, seed=5, weight_grad=trainable)
         gen = torch.Generator().manual_seed(6)
         logp0 = exact_log_softmax(hidden, weight, 0.8).gather(1, targets[:, None]).squeeze(1)
         old, ref = logp0 + 0.5 * torch.randn(29, generator=gen), logp0 + 0.3 * torch.randn(29, generator=gen)
         adv, token_w = torch.randn(29, generator=gen), torch.rand(29, generator=gen) / 29
         loss, logp, _ = fused_grpo_token_loss(hidden, weight, targets, old, ref, adv, token_w, beta=0.1,
                                               temperature=0.8, chunk_size=16, backend="triton")
-        d_hidden, d_weight = torch.autograd.grad(loss, (hidden, weight))
+        params = (hidden, weight) if trainable else (hidden,)
+        d_hidden, *d_weight = torch.autograd.grad(loss, params)
         h32 = hidden.detach().float().requires_grad_(True)
-        w32 = weight.detach().float().requires_grad_(True)
+        w32 = weight.detach().float().requires_grad_(trainable)
         ref_loss, ref_logp, _ = fused_grpo_token_loss(h32, w32, targets, old, ref, adv, token_w, beta=0.1,
                                                       temperature=0.8, chunk_size=16, backend="torch")
-        ref_dh, ref_dw = torch.autograd.grad(ref_loss, (h32, w32))
+        ref_dh, *ref_dw = torch.autograd.grad(ref_loss, (h32, w32) if trainable else (h32,))
         clipped = grpo.token_loss(ref_logp, old, ref, adv, 0.2, 0.28, 0.1)[2]
         out[f"{name}/some_clipped"] = float(clipped.any() and not clipped.all())
         out[f"{name}/loss"] = err(loss, ref_loss)
         out[f"{name}/logp"] = err(logp, ref_logp)
         out[f"{name}/d_hidden_rel"] = rel(d_hidden, ref_dh)
-        out[f"{name}/d_weight_rel"] = rel(d_weight, ref_dw)
+        if trainable:
+            out[f"{name}/d_weight_rel"] = rel(d_weight[0], ref_dw[0])
     return out
 
 
@@ -134,7 +162,7 @@ SHARED_MEMORY = {86: 99 * 1024, 90: 227 * 1024}
 
 
 def compile_checks() -> dict:
-    """Compile both kernels for sm_86 and sm_90 with the tiles `tile_config` picks for them."""
+    """Compile every kernel for sm_86 and sm_90 with the tiles `tile_config` picks for them."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -143,44 +171,57 @@ def compile_checks() -> dict:
     from minscope import triton_logprobs
 
     ints = dict(N="i32", V="i32", H="i32", stride_x="i32", stride_w="i32")
-    tiles = dict(BLOCK_N="constexpr", BLOCK_V="constexpr", BLOCK_H="constexpr",
-                 DOT_FP32="constexpr", IEEE="constexpr")
+    flags = dict(DOT_FP32="constexpr", IEEE="constexpr")
+    tiles = dict(BLOCK_N="constexpr", BLOCK_V="constexpr", BLOCK_H="constexpr", **flags)
     stats_sig = lambda t: dict(  # noqa: E731
             x_ptr=f"*{t}", w_ptr=f"*{t}", y_ptr="*i64", max_ptr="*fp32", sumexp_ptr="*fp32",
-            sumexpz_ptr="*fp32", target_ptr="*fp32", z_ptr="*fp32", **ints, stride_z="i32",
-            inv_temp="fp32", v_per_split="i32", n_splits="i32", **tiles, STORE_Z="constexpr")
-    kernels = {   # name: (kernel, signature, extra constexprs)
-        "stats": (triton_logprobs._softmax_stats_kernel, stats_sig, dict(STORE_Z=False)),
-        "stats_store_z": (triton_logprobs._softmax_stats_kernel, stats_sig, dict(STORE_Z=True)),
+            sumexpz_ptr="*fp32", target_ptr="*fp32", p_ptr=f"*{t}", tmax_ptr="*fp32", **ints,
+            stride_p="i32", stride_t="i32", inv_temp="fp32", v_per_split="i32", n_splits="i32",
+            **tiles, STORE_P="constexpr")
+    probs_args = lambda t: dict(  # noqa: E731
+            p_ptr=f"*{t}", tmax_ptr="*fp32", y_ptr="*i64", lse_ptr="*fp32", coef_ptr="*fp32")
+    # name: (kernel, signature, constexprs from the config)
+    kernels = {
+        "stats": (triton_logprobs._softmax_stats_kernel, stats_sig, lambda c: dict(
+            BLOCK_N=c["block_n"], BLOCK_V=c["block_v"], BLOCK_H=c["block_h"], STORE_P=False)),
+        "stats_store_p": (triton_logprobs._softmax_stats_kernel, stats_sig, lambda c: dict(
+            BLOCK_N=c["block_n"], BLOCK_V=c["block_v"], BLOCK_H=c["block_h"], STORE_P=True)),
         "grad": (triton_logprobs._logit_grad_kernel, lambda t: dict(
             x_ptr=f"*{t}", w_ptr=f"*{t}", y_ptr="*i64", lse_ptr="*fp32", dlogp_ptr="*fp32",
-            g_ptr=f"*{t}", **ints, stride_g="i32", inv_temp="fp32", **tiles), {}),
+            g_ptr=f"*{t}", **ints, stride_g="i32", inv_temp="fp32", **tiles), lambda c: dict(
+            BLOCK_N=c["block_n"], BLOCK_V=c["block_v"], BLOCK_H=c["block_h"])),
+        "dx_from_probs": (triton_logprobs._dx_from_probs_kernel, lambda t: dict(
+            **probs_args(t), w_ptr=f"*{t}", out_ptr="*fp32", N="i32", V="i32", H="i32",
+            stride_p="i32", stride_t="i32", stride_w="i32", v_per_split="i32", **tiles,
+            BLOCK_V_STATS="constexpr"), lambda c: dict(
+            BLOCK_N=c["block_n"], BLOCK_V=c["dx_block_v"], BLOCK_H=c["dx_block_h"],
+            BLOCK_V_STATS=c["block_v"])),
     }
     # what Triton's launcher assumes at real shapes (H, V, strides multiples of 16)
-    aligned = {"x_ptr", "w_ptr", "g_ptr", "z_ptr", "H", "V", "stride_x", "stride_w", "stride_g", "stride_z",
-               "v_per_split"}
+    aligned = {"x_ptr", "w_ptr", "g_ptr", "p_ptr", "out_ptr", "H", "V", "stride_x", "stride_w",
+               "stride_g", "stride_p", "v_per_split"}
     out = {}
     for arch, shared in SHARED_MEMORY.items():
         for dtype, ttype in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
             cfg = triton_logprobs.tile_config(shared, dtype)
-            for name, (kernel, signature, extra) in kernels.items():
+            for name, (kernel, signature, constexprs) in kernels.items():
                 sig = signature(ttype)
                 attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(sig) if arg in aligned}
                 src = ASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=dict(
-                    BLOCK_N=cfg["block_n"], BLOCK_V=cfg["block_v"], BLOCK_H=cfg["block_h"],
-                    DOT_FP32=False, IEEE=dtype == torch.float32, **extra))
+                    DOT_FP32=False, IEEE=dtype == torch.float32, **constexprs(cfg)))
                 compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                           options=dict(num_warps=cfg["num_warps"],
                                                        num_stages=cfg["num_stages"]))
                 out[f"sm{arch}/{ttype}/{name}/shared"] = compiled.metadata.shared
                 out[f"sm{arch}/{ttype}/{name}/mma"] = compiled.asm["ptx"].count("mma")
-            # the elementwise kernel of the fused GRPO path: no dot, just that it lowers
-            src = ASTSource(fn=triton_logprobs._grad_from_logits_kernel, signature=dict(
-                z_ptr="*fp32", y_ptr="*i64", lse_ptr="*fp32", dlogp_ptr="*fp32", g_ptr=f"*{ttype}",
-                N="i32", V="i32", stride_z="i32", stride_g="i32", inv_temp="fp32",
-                BLOCK_N="constexpr", BLOCK_V="constexpr"), constexprs=dict(BLOCK_N=32, BLOCK_V=256))
+            # the elementwise kernel for a trainable head: no dot, just that it lowers
+            src = ASTSource(fn=triton_logprobs._grad_from_probs_kernel, signature=dict(
+                **probs_args(ttype), g_ptr=f"*{ttype}", N="i32", V="i32", stride_p="i32",
+                stride_t="i32", stride_g="i32", BLOCK_N="constexpr", BLOCK_V="constexpr",
+                BLOCK_V_STATS="constexpr"), constexprs=dict(BLOCK_N=32, BLOCK_V=cfg["block_v"],
+                                                           BLOCK_V_STATS=cfg["block_v"]))
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
-            out[f"sm{arch}/{ttype}/grad_from_logits/ptx_lines"] = compiled.asm["ptx"].count("\n")
+            out[f"sm{arch}/{ttype}/grad_from_probs/ptx_lines"] = compiled.asm["ptx"].count("\n")
     return out
 
 
@@ -225,10 +266,23 @@ def test_logit_grad_kernel_matches_softmax_gradient(errors, case, tol):
 
 @pytest.mark.parametrize("case,tol", [("float32/T=1.0", FP32_TOL), ("float32/T=0.7", FP32_TOL),
                                       ("bfloat16/T=0.7", BF16_GRAD_REL)])
-def test_stored_logits_give_the_same_gradient_without_a_second_matmul(errors, case, tol):
-    assert errors[f"kernels/{case}/stored_logits"] < 1e-4
-    assert errors[f"kernels/{case}/stored_stats_same"] == 0.0
-    assert errors[f"kernels/{case}/grad_from_logits_rel"] < tol
+def test_stored_probs_give_the_gradient_without_a_second_logits_matmul(errors, case, tol):
+    name = f"kernels/{case}"
+    assert errors[f"{name}/stored_dtype_ok"] == 1.0
+    assert errors[f"{name}/stored_stats_same"] == 0.0
+    assert errors[f"{name}/stored_probs"] < (1e-6 if case.startswith("float32") else 4e-3)
+    assert errors[f"{name}/grad_from_probs_rel"] < tol
+    for splits in (1, 3):
+        assert errors[f"{name}/dx_from_probs_dtype_ok/{splits}"] == 1.0
+        assert errors[f"{name}/dx_from_probs_rel/{splits}"] < tol
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_confident_target_keeps_its_small_gradient(errors, dtype):
+    assert errors[f"confident/{dtype}/p_target"] > 0.998
+    # 1 - p to within about one bf16 step of itself (fp32: the lse's own rounding, ~1e-6
+    # absolute, is already 1e-3 of 1 - p), not of p: that would be an error of 400% here
+    assert errors[f"confident/{dtype}/target_grad_rel"] < (2e-3 if dtype == "float32" else 1e-2)
 
 
 @pytest.mark.parametrize("dtype,grad_tol", [("float32", FP32_TOL), ("bfloat16", BF16_GRAD_REL)])
@@ -241,19 +295,21 @@ def test_triton_token_logprobs_match_torch_path(errors, dtype, grad_tol):
     assert errors[f"{name}/d_weight_rel"] < grad_tol
 
 
+@pytest.mark.parametrize("head", ["trainable", "frozen"])
 @pytest.mark.parametrize("dtype,grad_tol", [("float32", FP32_TOL), ("bfloat16", BF16_GRAD_REL)])
-def test_triton_fused_grpo_matches_torch_path(errors, dtype, grad_tol):
-    name = f"fused_grpo/{dtype}"
+def test_triton_fused_grpo_matches_torch_path(errors, dtype, grad_tol, head):
+    name = f"fused_grpo/{dtype}/{head}"
     assert errors[f"{name}/some_clipped"] == 1.0
     assert errors[f"{name}/loss"] < FP32_TOL
     assert errors[f"{name}/logp"] < FP32_TOL
     assert errors[f"{name}/d_hidden_rel"] < grad_tol
-    assert errors[f"{name}/d_weight_rel"] < grad_tol
+    if head == "trainable":
+        assert errors[f"{name}/d_weight_rel"] < grad_tol
 
 
 @pytest.mark.parametrize("arch", sorted(SHARED_MEMORY))
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("kernel", ["stats", "stats_store_z", "grad"])
+@pytest.mark.parametrize("kernel", ["stats", "stats_store_p", "grad", "dx_from_probs"])
 def test_kernels_compile_and_fit_in_shared_memory(compiled, arch, dtype, kernel):
     assert 0 < compiled[f"sm{arch}/{dtype}/{kernel}/shared"] <= SHARED_MEMORY[arch]
 
@@ -261,11 +317,11 @@ def test_kernels_compile_and_fit_in_shared_memory(compiled, arch, dtype, kernel)
 @pytest.mark.parametrize("arch", sorted(SHARED_MEMORY))
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_elementwise_gradient_kernel_compiles(compiled, arch, dtype):
-    assert compiled[f"sm{arch}/{dtype}/grad_from_logits/ptx_lines"] > 10
+    assert compiled[f"sm{arch}/{dtype}/grad_from_probs/ptx_lines"] > 10
 
 
 @pytest.mark.parametrize("arch", sorted(SHARED_MEMORY))
-@pytest.mark.parametrize("kernel", ["stats", "stats_store_z", "grad"])
+@pytest.mark.parametrize("kernel", ["stats", "stats_store_p", "grad", "dx_from_probs"])
 def test_bf16_kernels_use_tensor_core_mma(compiled, arch, kernel):
     assert compiled[f"sm{arch}/bf16/{kernel}/mma"] > 0
 
@@ -308,6 +364,11 @@ def test_triton_matches_torch_path_on_cuda():
         want = torch.autograd.grad(ref_loss, (h32, w32))
         for g, w in zip(got, want):
             assert (g.float() - w).abs().max() <= 2e-2 * w.abs().max()
+        # frozen LM head: dx straight from the stored probabilities (the LoRA case)
+        loss, _, _ = fused_grpo_token_loss(hidden, weight.detach(), targets, old, old, adv, tw, beta=0.1,
+                                           temperature=0.7, chunk_size=128, backend="triton")
+        (got,) = torch.autograd.grad(loss, (hidden,))
+        assert (got.float() - want[0]).abs().max() <= 2e-2 * want[0].abs().max()
 
 
 if __name__ == "__main__":
