@@ -148,7 +148,8 @@ def train_step(method: Method, env, tasks, group_size: int, step: int) -> dict:
         sim_adv = _normalise(sim_r, group_size, m.sim_baseline)
         s = grpo_update(m.partner.model, m.partner.trainable_adapter, m.sim_opt, episodes, "partner",
                         sim_adv, m.sim_cfg, m.partner.tokenizer.pad_token_id)
-        metrics.update(sim_reward=sim_r.mean().item(), sim_entropy=s["entropy"], sim_clip_frac=s["clip_frac"])
+        metrics.update(sim_reward=sim_r.mean().item(), sim_entropy=s["entropy"], sim_clip_frac=s["clip_frac"],
+                       sim_grad_norm=s["grad_norm"])
         if m.anchor is not None:
             metrics["sim_anchor_nll"] = anchor_step(m)
     if isinstance(m.partner, Population):

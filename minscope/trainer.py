@@ -2,8 +2,14 @@
 Co-Training, for the simulator: the same loss on the other party's tokens).
 
     episodes ──► training_batch(key)  ids, mask of this party's sampled tokens, old logp
-             ──► final_hidden_states ──► token_logprobs (chunked LM head, no [B,T,V] logits)
-             ──► grpo_loss(logp, old_logp, ref_logp, A) ──► backward ──► clip ──► AdamW
+             ──► final_hidden_states ──► fused_grpo_token_loss(hidden, LM head, old_logp,
+                 ref_logp, A, weights): the GRPO loss with the LM head fused in (no [B,T,V]
+                 logits; the gradient w.r.t. the hidden states is made in the same pass)
+             ──► backward ──► clip ──► AdamW
+
+The GRPO loss is a weighted sum over tokens of a function of each token's own log-prob
+(every aggregation is a choice of weights), which is what lets `fused_grpo_token_loss`
+produce the LM-head gradient in its forward pass: two LM-head matmuls instead of three.
 
 `old_logp` is the log-prob recorded when the token was sampled, so the ratio is correct
 even when the tokens came from another adapter (a pool snapshot in Population
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .grpo import aggregation_weights, token_loss
-from .logprobs import token_logprobs
+from .logprobs import fused_grpo_token_loss, token_logprobs
 from .models import final_hidden_states, output_embedding, trainable_parameters, use_adapter
 from .rollout import training_batch
 
@@ -69,7 +75,9 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
             ref = torch.cat([sequence_logprobs(model, ids[s:s + cfg.micro_batch], attn[s:s + cfg.micro_batch],
                                                cfg.temperature, adapter=None)
                              for s in range(0, ids.shape[0], cfg.micro_batch)])
-    trainable_parameters(model, adapter)
+    # this adapter's parameters, kept as a list: peft flips requires_grad whenever the active
+    # adapter changes (use_adapter restores the model's default on exit), so it cannot tell
+    params = trainable_parameters(model, adapter)
     model.train()
     sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
     n_tok = mask.sum().clamp_min(1)
@@ -77,12 +85,18 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
         optimizer.zero_grad(set_to_none=True)
         for s in range(0, ids.shape[0], cfg.micro_batch):
             sl = slice(s, s + cfg.micro_batch)
-            logp, ent = sequence_logprobs(model, ids[sl], attn[sl], cfg.temperature, adapter, entropy=True)
-            per_tok, ratio, clipped = token_loss(logp, old[sl], None if ref is None else ref[sl],
-                                                 adv[sl, None].expand_as(logp), cfg.eps_low,
-                                                 cfg.eps_high, cfg.beta)
-            loss = (weights[sl] * per_tok).sum()   # weights already hold the batch normaliser
-            loss.backward()
+            ref_sl = None if ref is None else ref[sl]
+            adv_tok = adv[sl, None].expand_as(old[sl])
+            with use_adapter(model, adapter):
+                hidden = final_hidden_states(model, ids[sl], attn[sl])[:, :-1]  # [b, T-1, H]
+                # weights already hold the batch normaliser; logp and ent come back detached
+                loss, logp, ent = fused_grpo_token_loss(
+                    hidden, output_embedding(model), ids[sl, 1:], old[sl], ref_sl, adv_tok, weights[sl],
+                    cfg.eps_low, cfg.eps_high, cfg.beta, cfg.temperature)
+                # backward inside the block: with activation checkpointing the layers are
+                # recomputed now, and must see the same adapter as in the forward pass
+                loss.backward()
+            clipped = token_loss(logp, old[sl], ref_sl, adv_tok, cfg.eps_low, cfg.eps_high, cfg.beta)[2]
             m = mask[sl].bool()
             sums["loss"] += loss.item() / cfg.epochs
             sums["clip_frac"] += (clipped & m).sum().item() / n_tok.item() / cfg.epochs
@@ -90,7 +104,6 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
             if ref is not None:
                 d = ref[sl] - logp.detach()
                 sums["kl"] += ((d.exp() - d - 1) * mask[sl]).sum().item() / n_tok.item() / cfg.epochs
-        params = [p for p in model.parameters() if p.requires_grad]
         sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) / cfg.epochs
         optimizer.step()
     model.eval()

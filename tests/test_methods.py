@@ -10,7 +10,7 @@ from minscope.envs.wordgame import Asker, WordGame
 from minscope.evaluate import collapse_meter
 from minscope.methods import METHODS, build_method, train_step
 from minscope.models import adapter_state, add_adapters, build_tiny_model
-from minscope.rollout import LMSpeaker
+from minscope.rollout import LMSpeaker, rollout
 from minscope.simulators import Ensemble, Frozen, PersonaGuided, Population, Verbalized
 from minscope.trainer import UpdateConfig
 from minscope.verbalized import Candidate, format_candidates
@@ -151,3 +151,37 @@ def test_collapse_meter_sees_no_simulator_variance_in_a_deterministic_simulator(
     assert greedy["sim_side_var"] < 1e-3 and greedy["mode_prob"] > 0.99
     assert sampling["sim_side_var"] > 0.02 and sampling["mode_prob"] < 0.9
     assert greedy["agent_side_var"] == 0.0      # a scripted agent has no randomness
+
+
+@pytest.mark.parametrize("adapter", ["policy", "simulator"])
+def test_grpo_update_with_activation_checkpointing_trains_the_right_adapter(tokenizer, adapter):
+    """With checkpointing, the backward pass re-runs the layers: it must see the adapter
+    being trained, whichever adapter the model falls back to outside `use_adapter`."""
+    from minscope.models import load_adapter_state, trainable_parameters
+    from minscope.trainer import grpo_update
+
+    torch.manual_seed(0)
+    model = add_adapters(build_tiny_model(tokenizer, "qwen3", hidden_size=32), ["policy", "simulator"],
+                         init_lora_weights=False)
+    speaker = LMSpeaker(model, tokenizer, "agent", adapter=adapter, max_new_tokens=3)
+    episodes = rollout(WordGame(), ["river", "cloud"], speaker, Asker(), group_size=2)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    start = adapter_state(model, adapter)
+
+    def one_step(checkpointing):
+        load_adapter_state(model, adapter, start)    # same starting point each time
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        opt = torch.optim.SGD(trainable_parameters(model, adapter), lr=1.0)
+        stats = grpo_update(model, adapter, opt, episodes, "agent", advantages,
+                            UpdateConfig(grad_clip=1e9), tokenizer.pad_token_id)
+        return adapter_state(model, adapter), stats
+
+    plain, plain_stats = one_step(checkpointing=False)
+    ckpt, ckpt_stats = one_step(checkpointing=True)
+    assert plain_stats["grad_norm"] > 0
+    assert ckpt_stats["grad_norm"] == pytest.approx(plain_stats["grad_norm"], rel=1e-4)
+    for name in plain:
+        torch.testing.assert_close(ckpt[name], plain[name], rtol=1e-4, atol=1e-6)
