@@ -26,13 +26,15 @@ sampling log-probs ("old" log-probs) come from a no-grad forward under the adapt
 
 Configurations (each turns ONE feature of "all" off; "none" turns them all off):
 
-  all                4-bit NF4 base, chunked LM-head log-probs, gradient checkpointing,
+  all                4-bit NF4 base, chunked LM-head log-probs (the trainer's
+                     fused_grpo_token_loss, Triton on CUDA), gradient checkpointing,
                      micro-batches of --micro-batch (4) sequences
   bf16-base          the base in bf16 (no quantisation)
   naive-logprobs     the trainer computes log-probs the plain way, log_softmax(h @ W.T)
                      .gather(...), with every [B, T, V] tensor kept for backward. This is
                      done *inside this benchmark* by monkeypatching minscope.trainer's
-                     token_logprobs (see `naive_logprobs`); minscope itself has no such flag
+                     token_logprobs and fused_grpo_token_loss (see `naive_logprobs`);
+                     minscope itself has no such flag
   no-checkpointing   no gradient checkpointing
   no-micro-batching  one forward/backward over all 32 sequences (micro_batch = 32)
   none               all four off (not run by default: the largest; it may not fit)

@@ -181,14 +181,17 @@ def _probs_tile_grad(p_ptr, tmax_ptr, rows, v0, y, lse, coef, N, V, stride_p, st
 
     From the stored p = exp(z - m) and the stats kernel's tile maxes m: softmax = p * exp(m - lse).
     BLOCK_V divides BLOCK_V_STATS and v0 is a multiple of BLOCK_V, so these columns share one m."""
-    cols = v0 + tl.arange(0, BLOCK_V)
+    offs = tl.arange(0, BLOCK_V)                                      # int32 column offsets
+    cols = v0 + offs
     row_ok = rows < N
     p = tl.load(p_ptr + rows[:, None] * stride_p + cols[None, :],
                 mask=row_ok[:, None] & (cols[None, :] < V), other=0.0).to(tl.float32)
     tmax = tl.load(tmax_ptr + rows * stride_t + v0 // BLOCK_V_STATS, mask=row_ok, other=0.0)
-    probs = p * tl.exp(tmax - lse)[:, None]
-    onehot = (cols[None, :] == y[:, None]).to(tl.float32)
-    return coef[:, None] * (onehot - probs)
+    # per element: one multiply, and an add on the target's column (few ops per element,
+    # since this runs inside the matmul loop)
+    g = p * (-coef * tl.exp(tmax - lse))[:, None]                     # -coef * softmax
+    is_target = offs[None, :] == (y - v0).to(tl.int32)[:, None]
+    return tl.where(is_target, g + coef[:, None], g)
 
 
 @triton.jit
