@@ -286,13 +286,13 @@ def kernel_config(device: torch.device, dtype: torch.dtype) -> dict:
     return tile_config(shared, dtype)
 
 
-def _vocab_splits(n_rows: int, n_vocab: int, device: torch.device, block_n: int, block_v: int) -> int:
-    """Vocab splits so that about two programs run per SM (1 off CUDA)."""
+def _vocab_splits(programs: int, n_vocab: int, device: torch.device, block_v: int) -> int:
+    """Vocab splits of a launch of `programs` programs per split, so that about two programs
+    run per SM (1 off CUDA)."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    row_blocks = triton.cdiv(n_rows, block_n)
-    return max(1, min(triton.cdiv(2 * sms, row_blocks), triton.cdiv(n_vocab, block_v)))
+    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(n_vocab, block_v)))
 
 
 class StoredProbs(NamedTuple):
@@ -315,7 +315,7 @@ def softmax_stats(hidden, weight, targets, temperature: float = 1.0, v_splits: i
     hidden, weight, targets = _unit_stride(hidden), _unit_stride(weight), targets.contiguous()
     n, h = hidden.shape
     v = weight.shape[0]
-    splits = v_splits or _vocab_splits(n, v, hidden.device, cfg["block_n"], cfg["block_v"])
+    splits = v_splits or _vocab_splits(triton.cdiv(n, cfg["block_n"]), v, hidden.device, cfg["block_v"])
     # every split gets a whole number of vocab tiles, and none is empty
     v_per_split = triton.cdiv(triton.cdiv(v, splits), cfg["block_v"]) * cfg["block_v"]
     splits = triton.cdiv(v, v_per_split)
@@ -365,11 +365,8 @@ def dx_from_probs(stored: StoredProbs, targets, lse, dlogp, weight, temperature:
     n, v = stored.p.shape
     h = weight.shape[1]
     if v_splits is None:
-        v_splits = 1
-        if weight.is_cuda:
-            tiles = triton.cdiv(n, cfg["block_n"]) * triton.cdiv(h, cfg["dx_block_h"])
-            sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
-            v_splits = max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(v, stored.block_v)))
+        tiles = triton.cdiv(n, cfg["block_n"]) * triton.cdiv(h, cfg["dx_block_h"])
+        v_splits = _vocab_splits(tiles, v, weight.device, stored.block_v)
     # every split starts on a stats tile, so each dx step sees one tile max per row
     v_per_split = triton.cdiv(triton.cdiv(v, v_splits), stored.block_v) * stored.block_v
     v_splits = triton.cdiv(v, v_per_split)
