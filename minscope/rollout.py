@@ -77,9 +77,10 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
             logprobs = torch.log_softmax(logits, dim=-1)
             token = logprobs.argmax(-1)
         token_logp = logprobs.gather(1, token[:, None]).squeeze(1)
+        ids_now, logp_now = token.tolist(), token_logp.tolist()          # one copy, not B
         for i in torch.nonzero(~finished).flatten().tolist():
-            out_ids[i].append(int(token[i]))
-            out_logp[i].append(float(token_logp[i]))
+            out_ids[i].append(ids_now[i])
+            out_logp[i].append(logp_now[i])
         finished |= torch.isin(token, eos)
         if finished.all():
             break

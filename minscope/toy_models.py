@@ -73,6 +73,7 @@ class ToyModelConfig:
     lr: float = 3e-3
     seed: int = 0
     workers: int = 2            # processes that train models in parallel (1 thread each)
+    attention: str = "sdpa"     # attention implementation ("eager" rounds differently: a new cache)
     world: int = 3              # version of the toy world and its data: bump it when they change
 
     def key(self) -> str:
@@ -182,7 +183,8 @@ class ToyModels:
         path = self.dir / name
         if not (path / "config.json").exists():
             return None
-        return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").float().eval()
+        model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=self.cfg.attention)
+        return model.float().eval()
 
     def names(self):
         # the longest job first, so that two workers finish at about the same time
@@ -208,7 +210,7 @@ class ToyModels:
             if name == "sim-a-vs":
                 conversations += vs_conversations(env, world, transcripts, c.vs_examples, rng)
         tok = self.policy_tokenizer if is_policy else self.tokenizer
-        model = build_tiny_model(tok, c.arch, c.hidden, c.layers, c.heads, seed=seed)
+        model = build_tiny_model(tok, c.arch, c.hidden, c.layers, c.heads, seed=seed, attention=c.attention)
         losses = sft(model, tok, conversations, steps=steps, batch_size=c.batch, lr=c.lr,
                      seed=seed, desc=f"sft {name}", progress=self.progress)
         model.save_pretrained(str(self.dir / name))
