@@ -44,7 +44,7 @@ TOY_METHODS = ("base", "single", "vs", "ensemble", "cotrain", "population", "ora
 
 @dataclass
 class ToyConfig:
-    """Settings of the toy experiment (defaults: the headline run, ~16 min on 2 CPU cores)."""
+    """Settings of the toy experiment (defaults: the headline run, ~14 min on 2 CPU cores, ~21 cold)."""
     name: str = "toy"
     methods: tuple = TOY_METHODS          # "base" = the untrained policy, evaluated only
     seeds: tuple = (0, 1, 2)

@@ -38,6 +38,18 @@ def test_tiny_model_of_real_architecture(tokenizer, arch):
     assert out.logits.shape == (1, 3, len(tokenizer))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_sdpa_and_eager_attention_agree_on_padded_batches(tokenizer, arch):
+    """The tiny models use sdpa (faster); on left- and right-padded rows it must match eager."""
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [4, 5, 6, 7, 8, 9], [3, 4, 5, 0, 0, 0]])
+    attn = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    out = {a: models.final_hidden_states(build_tiny_model(tokenizer, arch, hidden_size=32, seed=3, attention=a),
+                                         ids, attn) for a in ("eager", "sdpa")}
+    real = attn.bool()
+    assert torch.isfinite(out["sdpa"][real]).all()
+    torch.testing.assert_close(out["sdpa"][real], out["eager"][real], rtol=1e-5, atol=1e-5)
+
+
 def test_unknown_architecture_is_a_clear_error(tokenizer):
     with pytest.raises(ValueError, match="llama"):
         build_tiny_model(tokenizer, "gpt9")
