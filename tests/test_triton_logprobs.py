@@ -200,20 +200,33 @@ def compile_checks() -> dict:
     # what Triton's launcher assumes at real shapes (H, V, strides multiples of 16)
     aligned = {"x_ptr", "w_ptr", "g_ptr", "p_ptr", "out_ptr", "H", "V", "stride_x", "stride_w",
                "stride_g", "stride_p", "v_per_split"}
+    def compile_one(key, kernel, sig, constexprs, cfg, arch, dtype):
+        attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(sig) if arg in aligned}
+        src = ASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=dict(
+            DOT_FP32=False, IEEE=dtype == torch.float32, **constexprs))
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                  options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        return {f"{key}/shared": compiled.metadata.shared, f"{key}/mma": compiled.asm["ptx"].count("mma")}
+
     out = {}
+    # bench/tiles.py's candidate configs, for the GPU its sweep runs on (H200: sm_90, bf16)
+    spec = importlib.util.spec_from_file_location("bench_tiles", REPO / "bench" / "tiles.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    default = triton_logprobs.tile_config(SHARED_MEMORY[90], torch.bfloat16)
+    for name, keys, candidates in (("stats_store_p", sweep.STATS_KEYS, sweep.STATS),
+                                   ("dx_from_probs", sweep.DX_KEYS, sweep.DX)):
+        kernel, signature, constexprs = kernels[name]
+        for i, cand in enumerate(candidates):
+            cfg = {**default, **dict(zip(keys, cand))}
+            out.update(compile_one(f"sm90/bf16/candidate/{name}/{i}", kernel, signature("bf16"),
+                                   constexprs(cfg), cfg, 90, torch.bfloat16))
     for arch, shared in SHARED_MEMORY.items():
         for dtype, ttype in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
             cfg = triton_logprobs.tile_config(shared, dtype)
             for name, (kernel, signature, constexprs) in kernels.items():
-                sig = signature(ttype)
-                attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(sig) if arg in aligned}
-                src = ASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=dict(
-                    DOT_FP32=False, IEEE=dtype == torch.float32, **constexprs(cfg)))
-                compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                          options=dict(num_warps=cfg["num_warps"],
-                                                       num_stages=cfg["num_stages"]))
-                out[f"sm{arch}/{ttype}/{name}/shared"] = compiled.metadata.shared
-                out[f"sm{arch}/{ttype}/{name}/mma"] = compiled.asm["ptx"].count("mma")
+                out.update(compile_one(f"sm{arch}/{ttype}/{name}", kernel, signature(ttype),
+                                       constexprs(cfg), cfg, arch, dtype))
             # the elementwise kernel for a trainable head: no dot, just that it lowers
             src = ASTSource(fn=triton_logprobs._grad_from_probs_kernel, signature=dict(
                 **probs_args(ttype), g_ptr=f"*{ttype}", N="i32", V="i32", stride_p="i32",
@@ -324,6 +337,14 @@ def test_elementwise_gradient_kernel_compiles(compiled, arch, dtype):
 @pytest.mark.parametrize("kernel", ["stats", "stats_store_p", "grad", "dx_from_probs"])
 def test_bf16_kernels_use_tensor_core_mma(compiled, arch, kernel):
     assert compiled[f"sm{arch}/bf16/{kernel}/mma"] > 0
+
+
+@pytest.mark.parametrize("kernel,count", [("stats_store_p", 8), ("dx_from_probs", 8)])
+def test_tile_sweep_candidates_fit_an_h200(compiled, kernel, count):
+    """Every config bench/tiles.py times on the GPU compiles, fits and uses the tensor cores."""
+    for i in range(count):
+        key = f"sm90/bf16/candidate/{kernel}/{i}"
+        assert 0 < compiled[f"{key}/shared"] <= SHARED_MEMORY[90] and compiled[f"{key}/mma"] > 0, key
 
 
 def test_triton_matches_torch_path_on_cuda():
