@@ -200,6 +200,7 @@ def compile_checks() -> dict:
     # what Triton's launcher assumes at real shapes (H, V, strides multiples of 16)
     aligned = {"x_ptr", "w_ptr", "g_ptr", "p_ptr", "out_ptr", "H", "V", "stride_x", "stride_w",
                "stride_g", "stride_p", "v_per_split"}
+
     def compile_one(key, kernel, sig, constexprs, cfg, arch, dtype):
         attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(sig) if arg in aligned}
         src = ASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=dict(
