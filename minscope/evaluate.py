@@ -36,13 +36,6 @@ from .envs.base import Episode, Turn
 from .rollout import LMSpeaker, rollout
 
 
-def greedy(speaker: LMSpeaker) -> LMSpeaker:
-    """The same speaker decoding at temperature 0 (how the paper evaluates policies)."""
-    g = copy.copy(speaker)
-    g.temperature = 0.0
-    return g
-
-
 def bootstrap_ci(values, n_boot: int = 2000, alpha: float = 0.05, seed: int = 0):
     """Percentile bootstrap CI of the mean: (low, high)."""
     v = np.asarray(values, dtype=float)
@@ -147,7 +140,7 @@ def _replayed(env, refs, fixed_role, fresh, n_resample):
 
 
 def collapse_meter(env, policy, partner, tasks, n_ref: int = 2, n_resample: int = 4,
-                   n_mode: int = 6, seed: int = 0) -> dict:
+                   n_mode: int = 6) -> dict:
     """Simulator-side vs agent-side reward variance, and the simulator's mode probability.
 
     For each task: `n_ref` reference episodes; for each, replay the agent's turns and
@@ -172,4 +165,5 @@ def collapse_meter(env, policy, partner, tasks, n_ref: int = 2, n_resample: int 
             shares.append(Counter(replies).most_common(1)[0][1] / n_mode)
     return {"sim_side_var": float(sim_var), "agent_side_var": float(agent_var),
             "mode_prob": float(np.mean(shares)) if shares else float("nan"),
-            "total_var": float(np.var([e.reward for e in refs]))}
+            # the within-task variance of the reference episodes: what the two parts split
+            "total_var": float(np.array([e.reward for e in refs]).reshape(len(tasks), n_ref).var(axis=1).mean())}

@@ -1,14 +1,16 @@
 """The toy experiment: every method x seed, trained and evaluated on the panel, resumable.
 
     runs/<name>/config.json        the settings (printed at start)
-    runs/<name>/metrics.jsonl      one line per training step and per evaluation
+    runs/<name>/fidelity.json      the training simulator checked where the exploit lives
+    runs/<name>/arms/<arm>.jsonl   each arm's live log: one line per training step and evaluation
     runs/<name>/arms/<arm>.pt      the latest state of each arm (adapters, optimizers, RNGs)
     runs/<name>/arms/<arm>.best.pt the adapter with the best panel score so far
+    runs/<name>/metrics.jsonl      every arm's log in one file, written when all arms are done
     runs/<name>/results.json, report.md, *.png     written by minscope.report
 
-Every arm saves its full state after every step (tiny models: a few hundred KB), so an
-interrupted run loses at most the step in progress, and `--resume` continues where it
-stopped. All randomness (torch, numpy, python) is restored too, so on CPU a resumed run ends
+Every arm saves its full state after every step (tiny models: a few hundred KB; files are
+replaced atomically, `minscope/files.py`), so an interrupted run loses at most the step in
+progress, and `--resume` continues where it stopped. All randomness (torch, numpy, python) is restored too, so on CPU a resumed run ends
 with the same numbers as an uninterrupted one.
 
 Evaluations run on random streams of their own, seeded by (seed, step) (`isolated_rng`): how
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,11 +33,13 @@ from tqdm.auto import tqdm
 
 from .envs.toy import RealUsers, ToyEnv, World
 from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
+from .files import save_atomic, write_text_atomic
 from .methods import Method, build_method, train_step
 from .models import adapter_state, add_adapters, load_adapter_state
 from .rollout import LMSpeaker
-from .simulators import Frozen, Population, Verbalized
-from .toy_models import ToyModelConfig, ToyModels, fidelity, worker_init
+from .sft import encode_chat, pad_batch
+from .simulators import Frozen, Population
+from .toy_models import ToyModelConfig, ToyModels, fidelity, fidelity_problems, worker_init
 from .trainer import UpdateConfig
 
 TOY_METHODS = ("base", "single", "vs", "ensemble", "cotrain", "population", "oracle")
@@ -115,6 +118,17 @@ def arm_name(method: str, seed: int) -> str:
 
 
 # --------------------------------------------------------------------------- set-up
+class AnchorBatches:
+    """`m.anchor` of an anchored arm: each call, a random SFT batch of real-user transcripts.
+    Its `rng` is part of the arm's saved state, so a resumed run draws the same batches."""
+
+    def __init__(self, encoded, batch: int, pad_id: int, rng: random.Random):
+        self.encoded, self.batch, self.pad_id, self.rng = encoded, batch, pad_id, rng
+
+    def __call__(self):
+        return pad_batch(self.rng.sample(self.encoded, self.batch), self.pad_id)
+
+
 class Toy:
     """Everything shared by the arms of one run: models, environment, evaluation panel."""
 
@@ -145,14 +159,12 @@ class Toy:
                          name="policy")
 
     def anchor_batches(self, seed: int, batch: int = 32):
-        """Real-user transcripts (persuadee side) for the realism anchor, as SFT batches."""
-        from .sft import encode_chat, pad_batch
-
+        """Real-user transcripts (persuadee side) for the realism anchor, as SFT batches
+        (freshly sampled: a stream of their own, apart from the simulators' SFT data)."""
         rng = np.random.default_rng(seed + 777)
         convs = self.env.sft_conversations(World().sample_transcripts(2000, rng), role="partner")
         encoded = [encode_chat(self.tokenizer, c) for c in convs]
-        pick = random.Random(seed)
-        return lambda: pad_batch(pick.sample(encoded, batch), self.tokenizer.pad_token_id)
+        return AnchorBatches(encoded, batch, self.tokenizer.pad_token_id, random.Random(seed))
 
     def method(self, name: str, seed: int) -> Method:
         """Build an arm. Variants after a colon tweak the simulator objective, e.g.
@@ -194,11 +206,10 @@ def arm_state(m: Method, step: int, extra: dict) -> dict:
         state["sim_opt"] = m.sim_opt.state_dict()
     if isinstance(m.partner, Population):
         state["population"] = m.partner.state()
-    for attr in ("rng",):
-        if hasattr(m.partner, attr):
-            state["partner_rng"] = copy.deepcopy(getattr(m.partner, attr))
-    if isinstance(m.partner, Verbalized):
-        state["vs_stats"] = copy.deepcopy(m.partner.stats)
+    if hasattr(m.partner, "rng"):
+        state["partner_rng"] = copy.deepcopy(m.partner.rng)
+    if isinstance(m.anchor, AnchorBatches):
+        state["anchor_rng"] = m.anchor.rng.getstate()
     return state
 
 
@@ -212,17 +223,11 @@ def load_arm_state(m: Method, state: dict):
         m.partner.load_state(state["population"])
     if "partner_rng" in state:
         m.partner.rng = state["partner_rng"]
-    if "vs_stats" in state:
-        m.partner.stats = state["vs_stats"]
+    if "anchor_rng" in state:
+        m.anchor.rng.setstate(state["anchor_rng"])
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["py_rng"])
     np.random.set_state(state["np_rng"])
-
-
-def save_atomic(obj, path: Path):
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- one arm
@@ -312,7 +317,7 @@ class MetricsLog:
         if self.path.exists():
             # the state of step k is saved after its train record: everything later is redone
             lines = [l for l in self.path.read_text().splitlines() if json.loads(l)["step"] <= from_step]
-            self.path.write_text("".join(l + "\n" for l in lines))
+            write_text_atomic(self.path, "".join(l + "\n" for l in lines))
 
     def __call__(self, record: dict):
         with self.path.open("a") as f:
@@ -323,10 +328,11 @@ _WORKER_TOY = {}
 
 
 def _arm_worker(job):
-    """Run one arm in a worker process (the Toy set-up is loaded once per process)."""
+    """Run one arm in a worker process. The Toy set-up (the frozen tiny models) is loaded
+    once per process and shared by its arms: every arm copies what it trains."""
     cfg, cache_dir, run_dir, method, seed, stop_after = job
     torch.set_num_threads(1)
-    key = (id(cfg), cache_dir)
+    key = (json.dumps(asdict(cfg), sort_keys=True, default=list), cache_dir)   # each job pickles a new cfg
     if key not in _WORKER_TOY:
         _WORKER_TOY.clear()
         _WORKER_TOY[key] = Toy(cfg, cache_dir, log=lambda *a: None, progress=False)
@@ -363,7 +369,7 @@ def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bo
         raise SystemExit(f"{run_dir} already exists: pass --resume {run_dir} to continue it, "
                          f"or --name NEW to start another run")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=list))
+    write_text_atomic(run_dir / "config.json", json.dumps(asdict(cfg), indent=2, default=list))
     models = ToyModels(cache_dir, cfg.models, progress=progress, log=log)
     models.build()
     fid_path = run_dir / "fidelity.json"
@@ -371,10 +377,13 @@ def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bo
         sim, _, world = models.simulator("sim-a")
         vs_sim = Frozen(models.simulator("sim-a-vs")[0], models.tokenizer, max_new_tokens=12)
         fid = fidelity(Frozen(sim, models.tokenizer, max_new_tokens=12), world, cfg.gamma, vs_simulator=vs_sim)
-        fid_path.write_text(json.dumps(fid))
+        write_text_atomic(fid_path, json.dumps(fid))
         log(f"sim-a fidelity: exploit value inside the gamma={cfg.gamma:g} simulator {fid['exploit_lm']:.3f} "
             f"(exact {fid['exploit_exact']:.3f}); mean TV to the real users at key histories {fid['tv']:.3f}; "
             f"TV of sim-a-vs's verbalized distribution {fid['vs_tv']:.3f}")
+        for problem in fidelity_problems(fid):
+            log(f"warning: the fidelity check fails: {problem}; the arms below will run, but their "
+                "numbers say little about simulator collapse (expected with --quick's small models)")
     # the slowest arms first, so that the workers finish at about the same time
     cost = {"vs": 0, "population": 1, "cotrain": 2}
     jobs = sorted(cfg.arms(), key=lambda arm: cost.get(arm[0].partition(":")[0], 3))

@@ -60,7 +60,8 @@ def aggregation_weights(mask: torch.Tensor, aggregation: str = "token", max_len:
 
     token:    mean over all masked tokens in the batch (long answers weigh more)
     sequence: mean per sequence, then mean over sequences (each trajectory weighs the same)
-    fixed:    sum / (B * max_len), a constant normaliser (Dr. GRPO style; no length bias)
+    fixed:    sum / (B * max_len) (Dr. GRPO style; no length bias when max_len is a constant,
+              e.g. the generation budget; without it, the batch's padded length)
     """
     mask = mask.float()
     if aggregation == "token":
@@ -77,10 +78,12 @@ def aggregation_weights(mask: torch.Tensor, aggregation: str = "token", max_len:
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, eps_low: float = 0.2,
               eps_high: float = 0.28, beta: float = 0.0, aggregation: str = "token",
               max_len: int | None = None, entropy=None, zero_var=None):
-    """The clipped GRPO loss over a batch of token sequences.
+    """The clipped GRPO loss over a batch of token sequences, in one readable function.
 
     logp, old_logp, ref_logp, mask, entropy: [B, T]; advantages: [B] (one per sequence).
-    Returns (loss scalar, stats dict of floats).
+    Returns (loss scalar, stats dict of floats). Training computes the same loss without
+    ever holding [B, T, V] logits: `trainer.grpo_update` passes `token_loss` and
+    `aggregation_weights` to `logprobs.fused_grpo_token_loss` (a test checks they agree).
     """
     adv = advantages.float().unsqueeze(1).expand_as(logp)           # [B, T]
     per_token, ratio, clipped = token_loss(logp, old_logp, ref_logp, adv, eps_low, eps_high, beta)

@@ -18,7 +18,7 @@ episodes (its own tokens, its own reward); for the population, snapshot on sched
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +47,6 @@ class Method:
     # so that becoming informative for the policy does not cost it its realism.
     anchor: object = None
     anchor_weight: float = 0.5
-    extra: dict = field(default_factory=dict)
 
     @property
     def trains_simulator(self) -> bool:
@@ -111,17 +110,20 @@ def _normalise(x: torch.Tensor, group_size: int, how: str) -> torch.Tensor:
 
 def anchor_step(m: Method) -> float:
     """One weighted SFT step of the trainable simulator on real transcripts; returns the NLL."""
-    from .models import use_adapter
+    from .models import trainable_parameters, use_adapter
     from .sft import nll
 
     model, adapter = m.partner.model, m.partner.trainable_adapter
     ids, attn, mask = (t.to(next(model.parameters()).device) for t in m.anchor())
+    params = trainable_parameters(model, adapter)   # as in grpo_update: only this adapter
     model.train()
+    m.sim_opt.zero_grad(set_to_none=True)
     with use_adapter(model, adapter):
         loss = nll(model, ids, attn, mask)
-    m.sim_opt.zero_grad(set_to_none=True)
-    (m.anchor_weight * loss).backward()
-    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], m.sim_cfg.grad_clip)
+        # backward inside the block: on exit peft marks the model's default adapter trainable,
+        # which is the policy's when both share one base
+        (m.anchor_weight * loss).backward()
+    torch.nn.utils.clip_grad_norm_(params, m.sim_cfg.grad_clip)
     m.sim_opt.step()
     model.eval()
     return loss.item()
@@ -131,6 +133,8 @@ def train_step(method: Method, env, tasks, group_size: int, step: int) -> dict:
     """One step of any method. Returns a flat dict of metrics for metrics.jsonl."""
     m = method
     pad = m.policy.tokenizer.pad_token_id
+    if isinstance(m.partner, Verbalized):
+        m.partner.stats.reset()           # the vs_* metrics count this step's rollout only
     episodes = rollout(env, tasks, m.policy, m.partner, group_size)
     rewards = torch.tensor([ep.reward for ep in episodes])
     adv, zero_var = group_advantages(rewards, group_size)

@@ -221,6 +221,12 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
                   f"**{f['tv']:.3f}**. The distribution sim-a-vs *states* when asked for one (Verbalized Sampling, "
                   f"decoded at temperature 1/gamma) is at TV **{f.get('vs_tv', float('nan')):.3f}** from the real users' "
                   f"(the assumption the paper's Proposition 3.7 needs: VS recovers the reference distribution).", ""]
+        from .toy_models import fidelity_problems   # (torch only when there is a toy run to report)
+
+        problems = fidelity_problems(f)
+        if problems:
+            lines += ["**The fidelity check fails** (" + "; ".join(problems) + "): these simulators are too far "
+                      "from their world for the results above to say much about simulator collapse.", ""]
     if extra_md:
         lines += [extra_md, ""]
     lines += ["## Transcripts (final policy vs real users)", ""]

@@ -182,9 +182,9 @@ class LMSpeaker:
         kwargs = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
 
-    def generate(self, episodes: list[Episode], env, stream_key: str | None = None):
+    def generate(self, episodes: list[Episode], env):
         """Sample one turn for each episode; returns (texts, ids, logps). Updates streams."""
-        key = stream_key or self.role
+        key = self.role
         streams = []
         for ep in episodes:
             stream = ep.info.setdefault("streams", {}).setdefault(key, Stream())
@@ -219,7 +219,7 @@ class LMSpeaker:
 
 
 # --------------------------------------------------------------------------- the loop
-def rollout(env, tasks, agent, partner, group_size: int = 1, progress=None) -> list[Episode]:
+def rollout(env, tasks, agent, partner, group_size: int = 1) -> list[Episode]:
     """Play every task `group_size` times: returns scored episodes, grouped consecutively.
 
     `agent` and `partner` are speakers: objects with `respond(episodes, env) -> [Turn]`
@@ -244,8 +244,6 @@ def rollout(env, tasks, agent, partner, group_size: int = 1, progress=None) -> l
                 if step.next_speaker is None:
                     ep.done = True
         live = [ep for ep in live if not ep.done]
-        if progress is not None:
-            progress(len(episodes) - len(live), len(episodes))
     for ep in episodes:
         ep.reward, info = env.score(ep)
         ep.info.update(info)

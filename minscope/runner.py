@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
@@ -38,6 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .evaluate import eval_seed, evaluate_panel, isolated_rng
+from .files import save_atomic, write_text_atomic
 from .methods import METHODS, build_method, train_step
 from .models import adapter_state, add_adapters, load_adapter, load_adapter_state, load_model, save_adapter
 from .rollout import LMSpeaker
@@ -226,9 +226,7 @@ def save_state(path: Path, step: int, models: Models, method, best: dict):
         st["partner"] = partner.state()
     elif hasattr(partner, "rng"):                # VS draws, persona draws
         st["partner_rng"] = partner.rng.getstate()
-    tmp = path.with_suffix(".tmp")
-    torch.save(st, tmp)
-    os.replace(tmp, path)                        # never leave a half-written state behind
+    save_atomic(st, path)                        # never leave a half-written state behind
 
 
 def load_state(path: Path, models: Models, method) -> tuple[int, dict]:
@@ -257,7 +255,7 @@ def _keep_metrics_before(log_path: Path, start: int):
         return
     lines = [ln for ln in log_path.read_text().splitlines() if ln.strip()]
     kept = [ln for ln in lines if json.loads(ln).get("step", 0) < start]
-    log_path.write_text("".join(ln + "\n" for ln in kept))
+    write_text_atomic(log_path, "".join(ln + "\n" for ln in kept))
 
 
 def panel_means(res: dict) -> dict:
@@ -289,7 +287,7 @@ def run_real(args):
         raise SystemExit(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
                          "or pick another --name")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps({**vars(args), "resume": None}, indent=2))
+    write_text_atomic(run_dir / "config.json", json.dumps({**vars(args), "resume": None}, indent=2))
     torch.manual_seed(0)
     random.seed(0)
 
@@ -330,7 +328,7 @@ def run_real(args):
                 save_adapter(method.partner.model, "simulator", run_dir / f"simulator-step{step}")
             if not best or rec["panel_mean"] > best["panel_mean"]:
                 best = {"step": step, "panel_mean": rec["panel_mean"]}
-                (run_dir / "best.json").write_text(json.dumps(best) + "\n")
+                write_text_atomic(run_dir / "best.json", json.dumps(best) + "\n")
         if step == steps:
             break
         t0 = time.time()

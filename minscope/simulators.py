@@ -66,7 +66,9 @@ class Verbalized:
             if not todo:
                 break
             if attempt:
-                for i in todo:   # regenerate from the same history: rewind the stream
+                for i in todo:   # regenerate from the same history: drop the failed attempt's
+                    # stream; the next call re-tokenizes the whole prompt (VS streams are
+                    # rewritten every turn anyway, and a VS simulator is never trained on them)
                     episodes[i].info.get("streams", {}).pop("partner", None)
             texts, ids, _ = self.speaker.generate([episodes[i] for i in todo], env)
             failed = []

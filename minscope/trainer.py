@@ -34,7 +34,8 @@ class UpdateConfig:
     eps_low: float = 0.2
     eps_high: float = 0.28
     beta: float = 0.0            # KL-to-reference coefficient (paper: 0.005)
-    aggregation: str = "token"   # token | sequence | fixed
+    aggregation: str = "token"   # token | sequence | fixed (see grpo.aggregation_weights)
+    max_len: int | None = None   # "fixed": the constant normaliser (None: each batch's padded length)
     epochs: int = 1              # passes over the batch per step
     micro_batch: int = 64        # sequences per forward/backward (memory knob; same result)
     grad_clip: float = 1.0
@@ -48,13 +49,11 @@ def make_optimizer(model, adapter: str, cfg: UpdateConfig):
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
 
 
-def sequence_logprobs(model, input_ids, attention_mask, temperature: float, adapter, entropy=False):
-    """Log-probs [B, T-1] of each next token (and entropies) under `adapter`."""
+def sequence_logprobs(model, input_ids, attention_mask, temperature: float, adapter):
+    """Log-probs [B, T-1] of each next token under `adapter` (None: the base model)."""
     with use_adapter(model, adapter):
         hidden = final_hidden_states(model, input_ids, attention_mask)[:, :-1]   # [B, T-1, H]
-        out = token_logprobs(hidden, output_embedding(model), input_ids[:, 1:],
-                             temperature=temperature, return_entropy=entropy)
-    return out
+        return token_logprobs(hidden, output_embedding(model), input_ids[:, 1:], temperature=temperature)
 
 
 def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: torch.Tensor,
@@ -68,7 +67,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     adv = advantages[batch.index].to(device)                                     # [B]
     ids, attn = batch.input_ids.to(device), batch.attention_mask.to(device)
     mask, old = batch.loss_mask.to(device), batch.old_logp.to(device)
-    weights = aggregation_weights(mask, cfg.aggregation)                         # [B, T-1]
+    weights = aggregation_weights(mask, cfg.aggregation, cfg.max_len)                # [B, T-1]
     ref = None
     if cfg.beta:   # the reference model = the base with adapters disabled (micro-batched too)
         with torch.no_grad():

@@ -30,8 +30,12 @@ def records(run_dir):
     return out
 
 
-def test_interrupted_run_resumes_to_the_same_numbers(tmp_path, cache):
-    cfg = tiny_config("toy")
+@pytest.mark.parametrize("methods, ablations", [
+    (("base", "single", "population"), ()),
+    (("base",), ("cotrain:anchor",)),          # interrupted in the anchored arm: its batches too
+])
+def test_interrupted_run_resumes_to_the_same_numbers(tmp_path, cache, methods, ablations):
+    cfg = tiny_config("toy", methods=methods, ablations=ablations)
     straight = experiment.run(cfg, tmp_path / "a", cache, log=lambda *a: None, progress=False)
     with pytest.raises(KeyboardInterrupt):
         experiment.run(cfg, tmp_path / "b", cache, log=lambda *a: None, progress=False, stop_after=2)
@@ -81,7 +85,8 @@ def test_existing_run_is_not_overwritten_without_resume(tmp_path, cache):
 def test_report_writes_results_plots_and_markdown(tmp_path, cache):
     cfg = tiny_config("toy", methods=("base", "single", "vs"), ablations=("cotrain:anchor+group",))
     assert cfg.arms() == [("base", 0), ("single", 0), ("vs", 0), ("cotrain:anchor+group", 0)]
-    run_dir = experiment.run(cfg, tmp_path, cache, log=lambda *a: None, progress=False)
+    logged = []
+    run_dir = experiment.run(cfg, tmp_path, cache, log=logged.append, progress=False)
     reference = {"random": 0.1, "best_fixed": 0.3, "best_adaptive": 0.7}
     results = report.write_report(run_dir, reference)
     saved = json.loads((run_dir / "results.json").read_text())
@@ -100,6 +105,9 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
     assert (run_dir / "curves.png").stat().st_size > 1000
     md = (run_dir / "report.md").read_text()
     assert "Verbalized Sampling" in md
+    # ten SFT steps do not make faithful simulators: the run and the report say so
+    assert any(line.startswith("warning: the fidelity check fails") for line in logged)
+    assert "**The fidelity check fails**" in md
     assert results["methods"]["vs"]["label"] == "Verbalized Sampling"
     # the ablation arm trained its simulator with the anchor, and has its own table
     anchored = [r for r in records(run_dir) if r["method"] == "cotrain:anchor+group" and r["kind"] == "train"]
@@ -107,3 +115,24 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
     ablation_md = md.split("## Co-Training ablation")[1]
     assert "Co-Training [anchor+group]" in ablation_md
     assert "Co-Training [anchor+group]" not in md.split("## Co-Training ablation")[0]
+
+
+def test_atomic_writes_leave_the_old_file_when_interrupted(tmp_path, monkeypatch):
+    from minscope import files
+
+    path = tmp_path / "config.json"
+    files.write_text_atomic(path, "old")
+    files.save_atomic({"step": 1}, tmp_path / "arm.pt")
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(files.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        files.write_text_atomic(path, "new")
+    with pytest.raises(KeyboardInterrupt):
+        files.save_atomic({"step": 2}, tmp_path / "arm.pt")
+    monkeypatch.undo()
+    import torch
+    assert path.read_text() == "old" and torch.load(tmp_path / "arm.pt")["step"] == 1
+    files.write_text_atomic(path, "new")
+    assert path.read_text() == "new"

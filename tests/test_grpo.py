@@ -77,6 +77,32 @@ def test_grpo_loss_broadcasts_sequence_advantage_and_reports_stats():
     assert stats["zero_var_frac"] == 0.5
 
 
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "fixed"])
+def test_readable_grpo_loss_equals_the_fused_one_training_uses(aggregation):
+    """`grpo_loss` is the loss to read; training computes it through the LM head in chunks
+    (`fused_grpo_token_loss`): same value, same gradient w.r.t. the hidden states."""
+    from minscope.logprobs import fused_grpo_token_loss, token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 5, 8, generator=g, requires_grad=True)
+    weight = torch.randn(11, 8, generator=g)
+    targets = torch.randint(0, 11, (3, 5), generator=g)
+    mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [0.0] + [1.0] * 2 + [0.0] * 2])
+    with torch.no_grad():
+        old = token_logprobs(hidden, weight, targets) + 0.3 * torch.randn(3, 5, generator=g)
+        ref = old - 0.1
+    adv = torch.tensor([1.5, -0.5, 0.7])
+    loss, _ = grpo_loss(token_logprobs(hidden, weight, targets), old, ref, adv, mask, beta=0.05,
+                        aggregation=aggregation, max_len=6)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    fused, _, _ = fused_grpo_token_loss(hidden, weight, targets, old, ref, adv[:, None].expand(3, 5),
+                                        aggregation_weights(mask, aggregation, max_len=6), beta=0.05,
+                                        backend="torch", chunk_size=4)
+    (fused_grad,) = torch.autograd.grad(fused, hidden)
+    assert fused.item() == pytest.approx(loss.item(), rel=1e-5)
+    assert torch.allclose(fused_grad, grad, atol=1e-6)
+
+
 def test_simulator_rewards_adversarial_cooperative_shared():
     r = torch.tensor([1.0, 0.0])
     assert simulator_rewards(r, 2, "adversarial").tolist() == [-1.0, -0.0]

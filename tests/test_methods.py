@@ -133,6 +133,28 @@ def test_every_method_runs_a_training_step(parts, tokenizer, name):
     assert sum(metrics["served_by"].values()) == 2
 
 
+def test_realism_anchor_trains_the_simulator_adapter_when_it_shares_the_policys_base(parts, tokenizer):
+    """Policy and simulator as two adapters of one model (the real-model set-up): the anchor's
+    SFT step must move the simulator's adapter, and only it, although the model's default
+    adapter is the policy's."""
+    from minscope.methods import anchor_step
+    from minscope.sft import encode_chat, pad_batch
+
+    policy, frozen, _ = parts
+    model = add_adapters(policy.model, ["simulator"], init_lora_weights=False)   # default: "policy"
+    m = build_method("cotrain", policy, frozen, UpdateConfig(lr=1e-2), UpdateConfig(lr=1e-2),
+                     sim_model=model, sim_tokenizer=tokenizer)
+    conv = [{"role": "user", "content": "give"}, {"role": "assistant", "content": "no thanks"}]
+    m.anchor = lambda: pad_batch([encode_chat(tokenizer, conv)] * 2, tokenizer.pad_token_id)
+    before_policy, before_sim = adapter_state(model, "policy"), adapter_state(model, "simulator")
+    nll = anchor_step(m)
+    assert nll > 0
+    after_policy, after_sim = adapter_state(model, "policy"), adapter_state(model, "simulator")
+    assert all(torch.equal(before_policy[k], after_policy[k]) for k in before_policy)
+    moved = [k for k in before_sim if not torch.equal(before_sim[k], after_sim[k])]
+    assert len(moved) == len(before_sim), f"only {len(moved)} of {len(before_sim)} simulator weights moved"
+
+
 class FixedActs:
     name = "fixed"
 
@@ -151,6 +173,11 @@ def test_collapse_meter_sees_no_simulator_variance_in_a_deterministic_simulator(
     assert greedy["sim_side_var"] < 1e-3 and greedy["mode_prob"] > 0.99
     assert sampling["sim_side_var"] > 0.02 and sampling["mode_prob"] < 0.9
     assert greedy["agent_side_var"] == 0.0      # a scripted agent has no randomness
+    assert sampling["total_var"] > 0.0
+    # total_var is within-task: 0 for a deterministic pair, though here tasks (personas) differ
+    matching = collapse_meter(env, FixedActs(["probe", "emotion", "big_ask"]), SharpenedUsers(gamma=500.0, seed=0),
+                              env.tasks(), n_ref=2, n_resample=2)
+    assert matching["total_var"] == 0.0
 
 
 @pytest.mark.parametrize("adapter", ["policy", "simulator"])

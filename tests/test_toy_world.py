@@ -274,3 +274,12 @@ def test_base_persuader_reads_cues_and_asks_when_the_probe_reveals_nothing(world
     # the base's name (its cache folder) changes with its settings, the simulators' key does not
     a, b = ToyModelConfig(), ToyModelConfig(policy_blind="", policy_skill=0.2, policy_steps=300)
     assert a.policy_name() != b.policy_name() and a.key() == b.key()
+
+
+def test_fidelity_check_passes_a_faithful_build_and_names_what_fails():
+    from minscope.toy_models import fidelity_problems
+
+    good = {"exploit_lm": 0.891, "exploit_exact": 0.988, "tv": 0.135, "vs_tv": 0.013}
+    assert fidelity_problems(good) == []
+    bad = fidelity_problems({**good, "exploit_lm": 0.50, "vs_tv": float("nan")})
+    assert len(bad) == 2 and "0.500" in bad[0] and "nan" in bad[1]

@@ -33,7 +33,7 @@ persuaded (said "wow..."), warm (was probed), pledged (stated 1 or 2 dollars), h
   big ask    persuaded          yes .9 | sure .07 | no .03
   big ask    0 / 1 / 2+ maybes  maybe .5 | no .35 | yes .15  /  maybe .6 | no .4  /  yes .6 | no .4
 
-Why this shape (docs/TOY_NOTES.md): the probe's information is SPREAD over three
+Why this shape: the probe's information is SPREAD over three
 phrasings, each less likely than the bland reply, and retractions are spread over three
 phrasings, each less likely than "yes", so that the mode is not the mean. Gamma-sharpening
 (`sharpened`) deletes the minority replies: the sharpened users never name what they care
