@@ -51,6 +51,8 @@ def parse_args(argv=None):
     # real models
     p.add_argument("--method", default="single", help="real env: single|vs|ensemble|persona|cotrain|"
                    "population|selfplay|population-selfplay")
+    p.add_argument("--personas", help="--method persona: a text file of simulator personas, one per "
+                   "paragraph (default: the environment's bank; tau2: minscope/envs/personas.txt)")
     p.add_argument("--data", help="p4g: path to the Persuasion for Good data (CSV release or ConvoKit dir)")
     p.add_argument("--domain", default="retail", help="tau2: mock | airline | retail")
     p.add_argument("--policy", help="policy model: Hugging Face name or local path")

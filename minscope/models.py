@@ -163,11 +163,14 @@ def load_model(name_or_path: str, load_in_4bit: bool = False, dtype: torch.dtype
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype, local_files_only=offline, **kwargs)
     except OSError as err:
-        where = "local path" if is_local else "hub name"
-        raise SystemExit(
-            f"Could not load model {name_or_path!r} ({where}): {err.__class__.__name__}.\n"
-            "If this machine is offline, download the model elsewhere and pass its local "
-            "directory instead (e.g. --policy /models/Qwen3-1.7B).") from None
+        cause = (str(err).strip().splitlines() or [err.__class__.__name__])[0]
+        if is_local:
+            hint = "A local model directory needs config.json, the weights and the tokenizer files."
+        else:
+            hint = ("Not a local path, so it was looked up as a Hugging Face hub name. If this machine "
+                    "is offline, download the model elsewhere and pass its local directory instead "
+                    "(e.g. --policy /models/Qwen3-1.7B).")
+        raise SystemExit(f"Could not load model {name_or_path!r}: {cause}\n{hint}") from None
     if not load_in_4bit:
         model.to(device)
     if tokenizer.pad_token is None:

@@ -34,8 +34,9 @@ from .models import load_adapter
 from .runner import build_models, eval_tasks, make_env
 
 SUCCESS = 1.0 - 1e-6           # tau2 rewards are products of 0/1 evaluator scores
-DONATION_BINS = [("$0", 0.0, 0.0), ("$0.01-0.49", 0.01, 0.49), ("$0.50-0.99", 0.5, 0.99),
-                 ("$1.00-1.49", 1.0, 1.49), ("$1.50-1.99", 1.5, 1.99), ("$2", 2.0, 2.0)]
+# (label, lo, hi): lo <= donation < hi, so every amount (99.5 cents too) lands in one bin
+DONATION_BINS = [("$0", 0.0, 0.01), ("$0.01-0.49", 0.01, 0.5), ("$0.50-0.99", 0.5, 1.0),
+                 ("$1.00-1.49", 1.0, 1.5), ("$1.50-1.99", 1.5, 2.0), ("$2", 2.0, float("inf"))]
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -84,7 +85,7 @@ def p4g_summary(episodes) -> dict:
         "reward": summarize([ep.reward for ep in episodes]),
         "donation": summarize(donations),
         "donation_stated": _mean([ep.info["donation_stated"] for ep in episodes]),
-        "donation_bins": {label: sum(lo <= d <= hi for d in donations)
+        "donation_bins": {label: sum(lo <= d < hi for d in donations)
                           for label, lo, hi in DONATION_BINS},
         "turns": _mean([ep.info["turns"] for ep in episodes]),
         "words": _mean([ep.info["words"] for ep in episodes]),
@@ -228,10 +229,11 @@ def training_log(run_dir: Path) -> list[str]:
         out.append(f"{len(train)} training steps; training reward {_f(train[0])} (first step) -> "
                    f"{_f(train[-1])} (last step).")
     if evals:
-        skip = {"kind", "step", "split", "panel_mean", "seen", "unseen"}
+        skip = {"kind", "step", "split", "tasks", "panel_mean", "seen", "unseen"}
         names = [k for k in evals[0] if k not in skip]
-        out += ["", f"Evaluations during training (greedy policy, {evals[0].get('split', 'test')} tasks, "
-                "one episode per task):", "",
+        n = evals[0].get("tasks")
+        which = f"the first {n} {evals[0].get('split', 'test')} tasks" if n else f"{evals[0].get('split', 'test')} tasks"
+        out += ["", f"Evaluations during training (greedy policy, {which}, one episode per task):", "",
                 "| step | " + " | ".join(names) + " | panel mean |", "|---|" + "---|" * (len(names) + 1)]
         for r in evals:
             out.append(f"| {r['step']} | " + " | ".join(_f(r.get(n)) for n in names) +

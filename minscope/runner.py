@@ -3,8 +3,9 @@
 The same `methods.train_step` as the toy experiment; what differs is where the models and
 tasks come from. Policy and simulator may share one base model (then the frozen simulator
 is that base with adapters disabled, and the trainable simulator is a second adapter on
-it). Every `--eval-every` steps the policy is evaluated on the test tasks against the panel
-(on random streams of its own, so evaluating does not change training) and the adapters are
+it). Every `--eval-every` steps the policy is evaluated against the panel on the first
+`--groups` test tasks, one greedy episode each (on random streams of its own, so evaluating
+does not change training; `eval.py` evaluates every test task afterwards) and the adapters are
 saved in PEFT format; the full training state is saved every step so
 `--resume` continues an interrupted run.
 
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .envs.base import read_personas
 from .evaluate import eval_seed, evaluate_panel, isolated_rng
 from .files import save_atomic, write_text_atomic
 from .methods import METHODS, build_method, train_step
@@ -58,11 +60,17 @@ def make_env(args):
         if not args.data:
             raise SystemExit("--env p4g needs --data PATH (the Persuasion for Good CSV release "
                              "or a ConvoKit corpus folder)")
-        return P4GEnv(args.data)            # raises one clear error when the data is missing
+        try:
+            return P4GEnv(args.data)
+        except FileNotFoundError as e:      # P4GDataNotFound: what is missing and where to get it
+            raise SystemExit(f"error: {e}") from None
     if args.env == "tau2":
         from .envs.tau2 import Tau2Env
 
-        return Tau2Env(args.domain)
+        try:
+            return Tau2Env(args.domain)
+        except (ImportError, ValueError) as e:   # tau2 not installed, or an unknown domain
+            raise SystemExit(f"error: {e}") from None
     if args.env == "wordgame":
         from .envs.wordgame import WordGame
 
@@ -267,6 +275,26 @@ def panel_means(res: dict) -> dict:
     return rec
 
 
+def persona_bank(args, env) -> list[str] | None:
+    """The personas of `--method persona`: --personas FILE, else the environment's own bank."""
+    if args.method != "persona":
+        return None
+    if env.tasks_are_personas:
+        raise SystemExit(f"--method persona does not apply to {env.name}: each of its tasks is a user "
+                         "persona already (the paper marks Persona-Guided N/A on P4G)")
+    if args.personas:
+        path = Path(args.personas)
+        if not path.is_file():
+            raise SystemExit(f"--personas {path}: no such file (one persona per paragraph)")
+        personas = read_personas(path)
+    else:
+        personas = env.persona_bank("train") if hasattr(env, "persona_bank") else []
+    if not personas:
+        raise SystemExit(f"--method persona needs personas: {env.name} has no bank of its own; "
+                         "pass --personas FILE (one persona per paragraph)")
+    return personas
+
+
 # --------------------------------------------------------------------------- training
 def run_real(args):
     if args.resume:
@@ -280,7 +308,9 @@ def run_real(args):
     if args.method in ("selfplay", "population-selfplay") and not getattr(env, "symmetric", False):
         print(f"note: {env.name} is not symmetric; with --method {args.method} the policy also plays "
               f"the {env.partner_name} (and learns from those turns)", file=sys.stderr)
+    personas = persona_bank(args, env)
     args.policy, args.simulator, args.data = resolve_path(args.policy), resolve_path(args.simulator), resolve_path(args.data)
+    args.personas = resolve_path(args.personas)
     args.steps = args.steps if args.steps is not None else DEFAULT_STEPS
     run_dir = Path(args.resume) if args.resume else Path(args.runs_dir) / (args.name or f"{args.env}-{args.method}")
     if not args.resume and (run_dir / "state.pt").exists():
@@ -296,7 +326,6 @@ def run_real(args):
     if args.method == "ensemble":           # the seen panel members are the training ensemble
         frozen = [p for p, kind in models.panel.values() if kind == "seen"]
     ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=SAMPLING_TEMPERATURE, beta=0.005)
-    personas = env.persona_bank("train") if hasattr(env, "persona_bank") else None
     method = build_method(args.method, models.policy, frozen, UpdateConfig(lr=args.lr, **ucfg),
                           UpdateConfig(lr=args.sim_lr, **ucfg),
                           sim_model=models.sim_model if args.method in TRAINS_SIMULATOR else None,
@@ -320,7 +349,8 @@ def run_real(args):
         if step % args.eval_every == 0 or step == steps:
             with isolated_rng(eval_seed(0, step)):   # evaluating does not change training's randomness
                 res = evaluate_panel(env, models.policy, models.panel, test_tasks[: args.groups], episodes_per_task=1)
-            rec = {"kind": "eval", "step": step, "split": split, **panel_means(res)}
+            rec = {"kind": "eval", "step": step, "split": split, "tasks": len(test_tasks[: args.groups]),
+                   **panel_means(res)}
             log.write(json.dumps(rec) + "\n")
             log.flush()
             save_adapter(models.policy_model, "policy", run_dir / f"policy-step{step}")

@@ -120,12 +120,14 @@ def _decode(body: str):
         return json.loads(body), None
     except json.JSONDecodeError as e:
         reason = f"{e.msg} at position {e.pos}"
+    except RecursionError:               # thousands of nested brackets: a degenerate output
+        return None, "nested too deeply"
     first = min((i for i in (body.find("{"), body.find("[")) if i >= 0), default=-1)
     if first >= 0:
         try:
             value, _ = json.JSONDecoder().raw_decode(body[first:])
             return value, None
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
     try:
         value = ast.literal_eval(body)
@@ -151,6 +153,8 @@ def _to_call(item, raw: str):
         except json.JSONDecodeError as e:
             return ToolCallError(raw, f'Error: "arguments" of {name} is not valid JSON '
                                       f"({e.msg}). {FORMAT_HINT}")
+        except RecursionError:
+            return ToolCallError(raw, f'Error: "arguments" of {name} are nested too deeply. {FORMAT_HINT}')
     if args is None:
         args = {}
     if not isinstance(args, dict):

@@ -158,3 +158,13 @@ def test_cpu_4bit_training_still_gets_gradients_after_generation(tokenizer):
         model(input_ids=ids)                      # an inference forward, like generate()
     # the gradients after generation must be the same as before it
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(reference, grads()))
+
+
+def test_a_broken_local_model_directory_is_a_clear_error_with_its_cause(tmp_path):
+    from minscope.models import load_model
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(SystemExit) as err:
+        load_model(str(tmp_path))
+    message = str(err.value)
+    assert str(tmp_path) in message and "local model directory" in message and "hub name" not in message

@@ -84,6 +84,31 @@ def test_folder_without_corpus_files_is_the_same_clear_error(tmp_path):
         load_p4g(tmp_path)
 
 
+def test_convokit_folder_without_survey_answers_is_a_clear_error(tmp_path):
+    shutil.copytree(CONVOKIT[0], tmp_path / "corpus")
+    (tmp_path / "corpus" / "speakers.json").unlink()
+    with pytest.raises(P4GDataNotFound, match="speakers.json"):
+        load_p4g(tmp_path / "corpus")
+
+
+def test_windows_line_endings_of_the_release_read_the_same(tmp_path, csv_corpus):
+    # the official full_dialog.csv / full_info.csv use CRLF line endings
+    for name in ("full_dialog.csv", "full_info.csv"):
+        (tmp_path / name).write_bytes((CSV / name).read_bytes().replace(b"\r\n", b"\n").replace(b"\n", b"\r\n"))
+    crlf = load_p4g(tmp_path)
+    assert b"\r\n" in (tmp_path / "full_dialog.csv").read_bytes()
+    assert [(d.id, d.messages, d.donation) for d in crlf.dialogues] == \
+        [(d.id, d.messages, d.donation) for d in csv_corpus.dialogues]
+    assert crlf.persuadee_ids() == csv_corpus.persuadee_ids()
+
+
+def test_the_persuader_is_told_how_many_messages_it_has():
+    for max_turns, messages in ((10, 5), (7, 4)):
+        env = P4GEnv(CSV, max_turns=max_turns)
+        prompt = env.agent_messages(env.tasks("all")[0])[0]["content"]
+        assert f"you have {messages} messages in total" in prompt
+
+
 def test_corpus_is_found_one_folder_down(tmp_path, csv_corpus):
     shutil.copytree(CSV, tmp_path / "FullData")
     assert load_p4g(tmp_path).persuadee_ids() == csv_corpus.persuadee_ids()
@@ -158,9 +183,9 @@ def test_split_is_the_same_in_a_fresh_python_process():
     assert out == here
 
 
-def test_persona_bank_is_the_persona_texts_of_a_split():
-    env = P4GEnv(CSV, test_fraction=0.5)
-    assert env.persona_bank("test") == [t.persona_text for t in env.tasks("test")]
+def test_p4g_tasks_are_personas_so_persona_guided_does_not_apply():
+    env = P4GEnv(CSV)
+    assert env.tasks_are_personas and not hasattr(env, "persona_bank")
 
 
 # ------------------------------------------------------------------------------- parser

@@ -27,7 +27,8 @@ from minscope.real_report import evaluate_run, p4g_summary
 from minscope.runner import build_models, eval_tasks, parse_panel
 
 P4G_CSV = Path(__file__).parent / "fixtures" / "p4g" / "csv"
-REAL_METHODS = [m for m in METHODS if m != "oracle"]   # oracle needs scripted real users (toy only)
+# oracle needs scripted real users (toy only); persona does not apply to P4G (its tasks are personas)
+REAL_METHODS = [m for m in METHODS if m not in ("oracle", "persona")]
 TINY = ["--groups", "2", "--group-size", "2", "--steps", "1", "--eval-every", "1", "--max-new-tokens", "8"]
 
 
@@ -93,6 +94,11 @@ def test_every_method_trains_a_step_and_evaluates(tmp_path, model_dirs, method):
         (method in ("cotrain", "population"))
 
 
+def test_persona_guided_is_refused_on_p4g_before_any_model_loads(tmp_path):
+    with pytest.raises(SystemExit, match="N/A on P4G"):
+        train(tmp_path, {"policy": str(tmp_path / "no-such-model")}, "persona")
+
+
 def test_ensemble_trains_against_every_seen_panel_member(tmp_path, model_dirs):
     run_dir = train(tmp_path, model_dirs, "ensemble", "--panel",
                     f"{model_dirs['other']},unseen:{model_dirs['other']}", "--groups", "2")
@@ -135,9 +141,12 @@ def test_a_new_run_does_not_overwrite_an_existing_one(single_run, model_dirs):
         train(single_run.parent, model_dirs, "single")
 
 
-def test_missing_data_is_a_clear_error(model_dirs):
+def test_missing_data_is_a_clear_error(model_dirs, tmp_path):
     with pytest.raises(SystemExit, match="--data"):
         train_cli.main(["--env", "p4g", "--policy", model_dirs["policy"]])
+    # a wrong path: one message (what is missing, where to get it), not a traceback
+    with pytest.raises(SystemExit, match="error: Persuasion for Good data not found .*--data"):
+        train_cli.main(["--env", "p4g", "--data", str(tmp_path / "nowhere"), "--policy", model_dirs["policy"]])
 
 
 # --------------------------------------------------------------------------- panel
@@ -221,3 +230,6 @@ def test_p4g_summary_counts_donations_asks_and_length():
     assert s["reward"]["mean"] == pytest.approx((0 + 0.25 + 1) / 3)
     assert s["asks"] == pytest.approx(1.0) and s["any_ask"] == pytest.approx(2 / 3)
     assert s["turns"] == pytest.approx(28 / 3) and s["donation_stated"] == pytest.approx(2 / 3)
+    # amounts between the labels' cents still land in exactly one bin
+    odd = p4g_summary([ep(d, 0, 1) for d in (0.495, 0.995, 1.499, 1.999)])["donation_bins"]
+    assert list(odd.values()) == [0, 1, 1, 1, 1, 0]

@@ -252,12 +252,17 @@ def test_mock_env_assertion_is_met_by_the_right_call(mock):
     assert mock.score(play(mock, task, ["Marked as completed."]))[0] == 0.0
 
 
-def test_tool_calls_hidden_in_a_turn_are_not_communicated(mock):
+def test_text_next_to_a_tool_call_is_scored_as_official_tau2_scores_it(mock):
+    # official tau2 (communication protocol not enforced, its default) keeps an assistant
+    # message's text next to its tool calls, and its communicate check reads that text
     task = task_by_id(mock, "update_task_with_initialization_data")
     info = " ".join(task.evaluation_criteria.communicate_info)
     said_with_call = info + "\n" + expected_calls(task)[0]      # text next to a tool call
-    reward, details = mock.score(play(mock, task, [said_with_call, "Done."]))
-    assert reward == 0.0 and details["tau2_reward_breakdown"]["COMMUNICATE"] == 0.0
+    episode = play(mock, task, [said_with_call, "Done."])
+    mixed = [m for m in mock.trajectory(episode) if m.role == "assistant" and m.tool_calls]
+    assert mixed and mixed[0].content == info
+    reward, details = mock.score(episode)
+    assert reward == 1.0 and details["tau2_reward_breakdown"] == {"DB": 1.0, "COMMUNICATE": 1.0}
 
 
 def test_default_simulator_reward_is_curriculum(mock):

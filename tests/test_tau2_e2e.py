@@ -75,6 +75,21 @@ def test_eval_reports_success_per_domain_and_pass_hat_k(tau2_run):
     assert sum(member["endings"].values()) == 4
 
 
+def test_persona_guided_trains_on_tau2_with_the_built_in_bank_or_a_file(tau2_run, tmp_path):
+    from minscope.envs.tau2 import Tau2Env
+
+    bank = Tau2Env("mock").persona_bank()
+    assert len(bank) == 10 and all(p and "\n\n" not in p for p in bank)
+    (tmp_path / "mine.txt").write_text("Speaks only in questions.\n\nAlways in a hurry.\n")
+    train_cli.main(["--env", "tau2", "--domain", "mock", "--policy", str(tau2_run[1]), "--method", "persona",
+                    "--personas", str(tmp_path / "mine.txt"), "--runs-dir", str(tmp_path), "--name", "p", *TINY])
+    (step,) = records(tmp_path / "p", "train")
+    assert 0.0 <= step["train_reward"] <= 1.0
+    with pytest.raises(SystemExit, match="no such file"):
+        train_cli.main(["--env", "tau2", "--domain", "mock", "--policy", str(tau2_run[1]), "--method", "persona",
+                        "--personas", str(tmp_path / "missing.txt"), "--runs-dir", str(tmp_path), "--name", "q", *TINY])
+
+
 def test_tau2_summary_groups_trials_by_task_for_pass_hat_k():
     def ep(group, success):
         e = Episode(task=None, group=group, reward=float(success))

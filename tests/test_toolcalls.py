@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,6 +51,14 @@ def test_missing_close_tag_before_the_next_block_is_tolerated():
 def test_code_fence_inside_the_block_is_ignored():
     call = only_call('<tool_call>\n```json\n{"name": "f", "arguments": {"n": 3}}\n```\n</tool_call>')
     assert call == ToolCall("f", {"n": 3})
+    # a Python literal in a fence: only the fence's removal lets it parse
+    call = only_call("<tool_call>\n```python\n{'name': 'f', 'arguments': {'n': 3}}\n```\n</tool_call>")
+    assert call == ToolCall("f", {"n": 3})
+
+
+def test_stray_close_tags_are_dropped_from_the_text():
+    parsed = parse_tool_calls("Sure.</tool_call> Anything else?")
+    assert parsed.calls == [] and parsed.content == "Sure. Anything else?"
 
 
 def test_text_after_the_json_object_is_ignored():
@@ -133,3 +142,13 @@ def test_format_then_parse_round_trips(name, arguments):
 def test_parsing_never_raises(pieces):
     parsed = parse_tool_calls("".join(pieces))
     assert all(isinstance(c, (ToolCall, ToolCallError)) for c in parsed.calls)
+
+
+@pytest.mark.parametrize("body", [
+    "[" * 20_000,
+    '{"a": ' * 20_000,
+    '{"name": "f", "arguments": "' + "[" * 20_000 + '"}',
+])
+def test_deeply_nested_output_is_an_error_not_a_crash(body):
+    parsed = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert len(parsed.calls) == 1 and isinstance(parsed.calls[0], ToolCallError)

@@ -15,6 +15,7 @@ environment text, never trained on).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -53,6 +54,12 @@ class Step:
     inject: list[Turn] = field(default_factory=list)  # env turns appended before the next one
 
 
+def read_personas(path) -> list[str]:
+    """A persona bank from a text file: one persona per paragraph (blank-line separated)."""
+    text = Path(path).read_text(encoding="utf-8")
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
 class Environment:
     """Base class; subclasses override what differs. Defaults: agent opens, strict
     alternation, `max_turns` generated turns in total."""
@@ -63,6 +70,7 @@ class Environment:
     max_turns = 10
     default_simulator_reward = "adversarial"
     symmetric = False               # both roles are the same kind of player (self-play)
+    tasks_are_personas = False      # each task is a user persona already (P4G): no Persona-Guided
 
     def tasks(self, split: str) -> list[Any]:
         raise NotImplementedError

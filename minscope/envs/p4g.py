@@ -228,6 +228,7 @@ class P4GEnv(Environment):
     agent_name = "persuader"
     partner_name = "persuadee"
     default_simulator_reward = "adversarial"
+    tasks_are_personas = True       # the paper's Persona-Guided baseline is N/A here
 
     def __init__(self, data_path, split: str = "train", max_turns: int = 10,
                  max_words: int = 60, test_fraction: float = 0.2):
@@ -247,9 +248,6 @@ class P4GEnv(Environment):
             raise ValueError(f"P4G split must be 'train', 'test' or 'all', not {split!r}")
         return [t for t in self._tasks
                 if split == "all" or persona_split(t.id, self.test_fraction) == split]
-
-    def persona_bank(self, split: str | None = None) -> list[str]:
-        return [t.persona_text for t in self.tasks(split)]
 
     def agent_messages(self, task: P4GTask) -> list[dict]:
         agent_turns = (self.max_turns + 1) // 2

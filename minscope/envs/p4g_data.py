@@ -224,8 +224,8 @@ def find_corpus_dir(path) -> tuple[Path, str]:
     """(folder, "csv" | "convokit"); looks in `path` and its direct subfolders."""
     root = Path(path).expanduser()
     if not root.is_dir():
-        raise P4GDataNotFound(f"Persuasion for Good data not found at '{root}' (no such "
-                              f"folder). {DATA_HELP}")
+        what = "a file, not a folder" if root.exists() else "no such folder"
+        raise P4GDataNotFound(f"Persuasion for Good data not found at '{root}' ({what}). {DATA_HELP}")
     for folder in [root] + sorted(p for p in root.iterdir() if p.is_dir()):
         if (folder / "full_dialog.csv").is_file() and (folder / "full_info.csv").is_file():
             return folder, "csv"
@@ -318,7 +318,10 @@ def _load_convokit(folder: Path) -> P4GCorpus:
     speakers_file = folder / "speakers.json"
     if not speakers_file.is_file():
         speakers_file = folder / "users.json"
-    speakers = json.loads(speakers_file.read_text(encoding="utf-8")) if speakers_file.is_file() else {}
+    if not speakers_file.is_file():      # the survey answers: without them there are no tasks
+        raise P4GDataNotFound(f"the ConvoKit corpus at '{folder}' has no speakers.json (or users.json), "
+                              f"which holds the persuadees' survey answers. {DATA_HELP}")
+    speakers = json.loads(speakers_file.read_text(encoding="utf-8"))
     conversations = json.loads((folder / "conversations.json").read_text(encoding="utf-8"))
     messages: dict[str, list] = {}
     ids: dict[str, dict] = {}        # conversation id -> {role: speaker id}

