@@ -5,8 +5,11 @@
     python eval.py runs/toy --meter         also run the collapse meter on each arm's final policy
 
 For the toy experiment each arm's final and best (by panel mean) adapters are evaluated on
-the panel: the real users, the 3 seen and the 3 unseen simulators; the results go to
-`eval.jsonl` and a section of `report.md`.
+the panel: the real users, the 3 seen and the 3 unseen simulators, on fresh episodes (so the
+numbers differ from the logged ones by sampling noise; `minscope.experiment.eval_record`
+reproduces a logged evaluation exactly); the results go to `eval.jsonl` and a section of
+`report.md`. --meter adds the collapse meter of each final policy against sim-a (RL (Single)'s
+simulator) to `eval.jsonl`.
 
 Real-model runs (train.py --env p4g / tau2) are rebuilt from their config.json; the saved
 policy adapter plays the test tasks against the run's panel (see minscope/real_report.py):
@@ -32,7 +35,8 @@ def parse_args(argv=None):
     p.add_argument("run_dir", help="a run directory written by train.py (e.g. runs/toy)")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from metrics.jsonl")
     p.add_argument("--episodes", type=int, default=32, help="episodes per persona per panel member")
-    p.add_argument("--meter", action="store_true", help="also measure the collapse meter")
+    p.add_argument("--meter", action="store_true", help="toy: also measure each final policy's collapse "
+                   "meter against sim-a (into eval.jsonl)")
     p.add_argument("--cache-dir", default=".cache/minscope", help="where the toy's tiny models are cached")
     # real-model runs
     p.add_argument("--trials", type=int, default=4, help="tau2: trials per task (reports pass^1..K)")
@@ -61,15 +65,15 @@ def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) ->
             if not path.exists():
                 continue
             state = torch.load(path, weights_only=False)
-            m = toy.method(method, seed)
-            load_adapter_state(m.policy.model, "policy", state["policy"])
+            policy = toy.policy()
+            load_adapter_state(policy.model, "policy", state["policy"])
             torch.manual_seed(seed)
-            res = evaluate_panel(toy.env, m.policy, toy.panel(seed), toy.env.tasks(), episodes,
+            res = evaluate_panel(toy.env, policy, toy.panel(seed), toy.env.tasks(), episodes,
                                  policy_temperature=cfg.eval_temperature)
             rec = {"method": method, "seed": seed, "checkpoint": which, "step": state["step"],
                    **{k: v["mean"] for k, v in res.items()}}
             if meter and which == "final":
-                rec["meter"] = collapse_meter(toy.env, m.policy, toy.frozen["sim-a"], toy.env.tasks())
+                rec["meter"] = collapse_meter(toy.env, policy, toy.frozen["sim-a"], toy.env.tasks())
             out.write(json.dumps(rec) + "\n")
             rows.append(rec)
     out.close()
@@ -80,13 +84,17 @@ def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) ->
         for which in ("final", "best"):
             rs = [r for r in rows if r["method"] == method and r["checkpoint"] == which]
             if rs:
-                avg = lambda k: sum(r.get(k, 0) for r in rs) / len(rs)   # noqa: E731
+                def avg(key):
+                    vals = [r[key] for r in rs if r.get(key) is not None]
+                    return sum(vals) / len(vals) if vals else None
                 lines.append(f"| {label(method)} | {which} | {fmt(avg('real_users'))} | {fmt(avg('seen'))} | {fmt(avg('unseen'))} |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.report_only and args.meter:
+        raise SystemExit("--meter measures policies, --report-only measures nothing: pass one of them")
     run_dir = Path(args.run_dir)
     if not (run_dir / "metrics.jsonl").exists():
         raise SystemExit(f"{run_dir} has no metrics.jsonl: pass a directory written by train.py")

@@ -116,6 +116,17 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
     assert "Co-Training [anchor+group]" in ablation_md
     assert "Co-Training [anchor+group]" not in md.split("## Co-Training ablation")[0]
 
+    # eval.py: every arm's final and best checkpoints re-evaluated, a section in the report
+    import eval as eval_cli
+    eval_cli.main([str(run_dir), "--episodes", "1", "--cache-dir", str(cache), "--meter"])
+    rows = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert {(r["method"], r["checkpoint"]) for r in rows} == {(m, c) for m, _ in cfg.arms() for c in ("final", "best")}
+    assert all(0.0 <= r["real_users"] <= 1.0 for r in rows)
+    assert all("meter" in r for r in rows if r["checkpoint"] == "final")
+    assert "## Re-evaluation of saved checkpoints" in (run_dir / "report.md").read_text()
+    with pytest.raises(SystemExit, match="--report-only"):
+        eval_cli.main([str(run_dir), "--report-only", "--meter"])
+
 
 def test_atomic_writes_leave_the_old_file_when_interrupted(tmp_path, monkeypatch):
     from minscope import files
