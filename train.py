@@ -76,10 +76,17 @@ def run_toy(args):
 
     if args.resume:
         run_dir = Path(args.resume)
+        if not (run_dir / "config.json").is_file():
+            raise SystemExit(f"--resume {run_dir}: no config.json there; pass a run directory written by train.py")
         saved = json.loads((run_dir / "config.json").read_text())
         models = experiment.ToyModelConfig(**saved.pop("models"))
         cfg = experiment.ToyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()},
                                    models=models)
+        if args.steps is not None and args.steps != cfg.steps:
+            raise SystemExit(f"--steps {args.steps}: a toy run keeps its settings on --resume ({cfg.steps} "
+                             "steps); start a new run with --name to train longer")
+        if args.workers:                    # how many processes share the arms: no effect on results
+            cfg = replace(cfg, workers=args.workers)
         runs_dir = run_dir.parent
     else:
         cfg = experiment.ToyConfig.quick() if args.quick else experiment.ToyConfig()

@@ -88,7 +88,8 @@ def isolated_rng(seed: int, *speakers):
 
 
 def eval_seed(seed: int, step: int) -> int:
-    """The seed of the evaluation at `step` of the run (or toy arm) with training seed `seed`."""
+    """The seed of the evaluation at `step` of the run (or toy arm) with training seed `seed`:
+    distinct for every (seed, step) pair of any run under a million steps (1,000,003 is prime)."""
     return 1_000_003 * (seed + 1) + step
 
 

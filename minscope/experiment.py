@@ -144,6 +144,8 @@ class Toy:
         self.vs_simulator = self.frozen.pop("sim-a-vs")
 
     def panel(self, seed: int):
+        # the evaluation's real users draw from a stream apart from the oracle arm's training
+        # users (RealUsers(seed)); `seed` differs per evaluation (see _eval_record)
         p = {"real_users": (RealUsers(seed=10_000 + seed), "real")}
         for name, (_, kind, _) in self.sims.items():
             if kind in ("seen", "unseen"):
@@ -240,7 +242,7 @@ def eval_record(toy: Toy, m: Method, method: str, seed: int, step: int, final: b
 def _eval_record(toy: Toy, m: Method, method: str, seed: int, step: int, final: bool) -> dict:
     c = toy.cfg
     rec = {"kind": "eval", "method": method, "seed": seed, "step": step}
-    panel = toy.panel(seed * 1000 + step)
+    panel = toy.panel(seed * 1000 + step)        # a fresh real-user stream per evaluation
     t = c.eval_temperature
     n_real = max(c.final_episodes, c.eval_episodes * 4) if final else c.eval_episodes * 4
     res = evaluate_panel(toy.env, m.policy, {"real_users": panel.pop("real_users")}, toy.env.tasks(),

@@ -118,13 +118,14 @@ def simulator_rewards(policy_rewards: torch.Tensor, group_size: int, kind: str):
     shared:      r_policy            (symmetric tasks: both players share the task reward)
     """
     r = policy_rewards.float()
+    peak, width = 0.25, 0.02     # a 0/1 reward's variance peaks at 0.25 (success half the time)
     if kind == "adversarial":
         return -r
     if kind in ("cooperative", "shared"):
         return r.clone()
     if kind == "curriculum":
         var = r.view(-1, group_size).var(dim=1, unbiased=False)        # [n_groups]
-        value = torch.exp(-((var - 0.25) ** 2) / 0.02)
+        value = torch.exp(-((var - peak) ** 2) / width)
         return value.repeat_interleave(group_size)
     raise ValueError(f"unknown simulator reward {kind!r}; use adversarial, cooperative, "
                      "curriculum or shared")

@@ -147,3 +147,17 @@ def test_atomic_writes_leave_the_old_file_when_interrupted(tmp_path, monkeypatch
     assert path.read_text() == "old" and torch.load(tmp_path / "arm.pt")["step"] == 1
     files.write_text_atomic(path, "new")
     assert path.read_text() == "new"
+
+
+def test_toy_resume_keeps_the_runs_settings(tmp_path):
+    import dataclasses
+
+    import train as train_cli
+    run_dir = tmp_path / "toy"
+    run_dir.mkdir()
+    cfg = tiny_config("toy")
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=list))
+    with pytest.raises(SystemExit, match="keeps its settings"):
+        train_cli.main(["--resume", str(run_dir), "--steps", str(cfg.steps + 10)])
+    with pytest.raises(SystemExit, match="no config.json"):
+        train_cli.main(["--resume", str(tmp_path / "elsewhere")])
