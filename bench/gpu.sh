@@ -6,7 +6,7 @@
 #   2. bench/logprobs.py at the reference shapes (N=16,384 x H=2,048 and 4,096 x 1,024,
 #      bf16, V=151,936), with TRL and Liger when they are installed;
 #   3. bench/memory.py: one Population Co-Training step at Qwen3-0.6B and 1.7B shapes,
-#      with each memory feature turned off in turn;
+#      with each memory feature turned off in turn, and a plain HF QLoRA step for contrast;
 #   4. bench/tiles.py: the two fused GRPO kernels timed at 8 candidate tile configs each
 #      (one 1,024-token chunk, Qwen3-1.7B head) against cuBLAS, to tune `tile_config`
 #      (all candidates compile for sm_90 within its shared memory, checked on CPU).

@@ -38,6 +38,11 @@ Configurations (each turns ONE feature of "all" off; "none" turns them all off):
   no-checkpointing   no gradient checkpointing
   no-micro-batching  one forward/backward over all 32 sequences (micro_batch = 32)
   none               all four off (not run by default: the largest; it may not fit)
+  hf-qlora           the contrast, not minscope: a plain Hugging Face QLoRA step as a
+                     tutorial writes it. One adapter on the 4-bit base,
+                     prepare_model_for_kbit_training, gradient checkpointing, and
+                     model(input_ids, labels=input_ids) (full [B, T, V] logits and HF's loss),
+                     backward, AdamW, on G sequences of --episode-tokens tokens (8 x 1,024)
 
 How the model is built. A Qwen3 config at the real shape with random weights is saved
 once per shape to a temporary folder (with a small offline tokenizer) and loaded back with
@@ -63,7 +68,7 @@ episodes, in-process) to test this script's logic; memory columns need CUDA.
 
 Examples:
   python bench/memory.py --smoke                               # CPU: the script's logic
-  python bench/memory.py                                       # CUDA: both shapes, 5 configs
+  python bench/memory.py                                       # CUDA: both shapes, 5 configs + hf-qlora
   python bench/memory.py --shapes 1.7b --configs all,bf16-base --json memory.json
 """
 
@@ -109,12 +114,11 @@ CONFIGS = {
     "no-checkpointing":  dict(four_bit=True,  chunked=True,  checkpointing=False, micro_batching=True),
     "no-micro-batching": dict(four_bit=True,  chunked=True,  checkpointing=True,  micro_batching=False),
     "none":              dict(four_bit=False, chunked=False, checkpointing=False, micro_batching=False),
+    "hf-qlora":          dict(four_bit=True,  chunked=False, checkpointing=True,  micro_batching=False),
 }
-DEFAULT_CONFIGS = ["all", "bf16-base", "naive-logprobs", "no-checkpointing", "no-micro-batching"]
+DEFAULT_CONFIGS = ["all", "bf16-base", "naive-logprobs", "no-checkpointing", "no-micro-batching", "hf-qlora"]
 TARGET_SHAPE, TARGET_BYTES = "1.7b", 8 * 2**30
-# A plain HF QLoRA step (one adapter, prepare_model_for_kbit_training, gradient
-# checkpointing, sdpa, random weights) at the 1.7B shape, 8 x 1,024 tokens, one H200.
-CONTRAST = "a plain Hugging Face QLoRA step at the 1.7B shape measured 22.9 GB at 8 x 1,024 tokens"
+LOGPROBS_LABEL = {"hf-qlora": "HF loss"}     # the table's log-probs column
 BETA = 0.005          # the KL coefficient train.py uses, so the reference forward runs
 
 
@@ -332,8 +336,54 @@ def enable_checkpointing(model) -> None:
 
 
 # ------------------------------------------------------------------ one configuration
+def measure_hf_qlora(shape: str, checkpoint: str, args) -> dict:
+    """The contrast: one plain Hugging Face QLoRA step (see "hf-qlora" at the top)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    cuda = args.device == "cuda"
+    torch.manual_seed(args.seed)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else None
+    model, _ = load_model(checkpoint, load_in_4bit=True, dtype=torch.bfloat16, device=args.device)
+    weights = torch.cuda.memory_allocated() - before if cuda else None
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r,
+                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, SHAPES[shape]["vocab_size"] - 8, (args.group_size, args.episode_tokens),
+                        generator=gen).to(args.device)
+    model.train()
+    times, peak, reserved, static = [], None, None, None
+    for i in range(args.warmup + args.repeats):
+        if cuda:
+            gc.collect()
+            torch.cuda.synchronize()
+            static = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return dict(shape=shape, config="hf-qlora", device=args.device, **CONFIGS["hf-qlora"], base="nf4",
+                micro_batch=args.group_size, episodes=args.group_size, logprobs_function="transformers loss",
+                max_tokens=args.episode_tokens, loss=loss.item(), weights_bytes=weights, static_bytes=static,
+                peak_bytes=peak, reserved_bytes=reserved, phase_peak_bytes=None,
+                step_time_s=statistics.median(times), step_times_s=times)
+
+
 def measure(shape: str, config: str, checkpoint: str, args) -> dict:
     """Load the base, add every adapter, and time Population Co-Training steps. One dict."""
+    if config == "hf-qlora":
+        return measure_hf_qlora(shape, checkpoint, args)
     features = CONFIGS[config]
     cuda = args.device == "cuda"
 
@@ -488,7 +538,7 @@ def table(results) -> str:
         phases = r["phase_peak_bytes"]
         phase = " / ".join(fmt_bytes(phases[k]) for k in ("policy", "simulator", "snapshot")) if phases else "-"
         lines.append(
-            f"| {r['shape']} | {r['config']} | {r['base']} | {'chunked' if r['chunked'] else 'naive'} "
+            f"| {r['shape']} | {r['config']} | {r['base']} | {LOGPROBS_LABEL.get(r['config'], 'chunked' if r['chunked'] else 'naive')} "
             f"| {'on' if r['checkpointing'] else 'off'} | {r['micro_batch']} | {fmt_bytes(r['weights_bytes'])} "
             f"| {fmt_bytes(r['static_bytes'])} | {fmt_bytes(r['peak_bytes'])} | {fmt_bytes(r['reserved_bytes'])} "
             f"| {phase} | {r['step_time_s']:.2f} s |")
@@ -531,7 +581,7 @@ def main(argv=None):
     print(table(results))
     done = [r for r in results if "skipped" not in r]
     for shape in args.shapes:
-        r = next((r for r in done if r["shape"] == shape), None)
+        r = next((r for r in done if r["shape"] == shape and r["config"] != "hf-qlora"), None)
         if r:
             print(f"\n{shape}: {r['episodes']} episodes, streams of up to {r['max_tokens']} tokens (mean "
                   f"{r['mean_tokens']:.0f}); trained tokens: policy {r['agent_tokens']:,}, simulator "
@@ -542,7 +592,11 @@ def main(argv=None):
     if target and cuda:
         verdict = "met" if target["peak_bytes"] <= TARGET_BYTES else "NOT met"
         print(f"\nTarget: peak <= {TARGET_BYTES / 2**30:.0f} GB at the {TARGET_SHAPE} shape with every feature on: "
-              f"{fmt_bytes(target['peak_bytes'])}, {verdict}. Contrast: {CONTRAST} (one adapter, one update).")
+              f"{fmt_bytes(target['peak_bytes'])}, {verdict}.")
+        plain = next((r for r in done if r["shape"] == TARGET_SHAPE and r["config"] == "hf-qlora"), None)
+        if plain:
+            print(f"Contrast: a plain Hugging Face QLoRA step (one adapter, one update, {plain['episodes']} x "
+                  f"{plain['max_tokens']} tokens) peaks at {fmt_bytes(plain['peak_bytes'])}.")
     if not cuda:
         print("\nGPU memory figures need CUDA: on CPU this checks the script's logic and times only.")
     if args.json:

@@ -296,10 +296,9 @@ def persona_bank(args, env) -> list[str] | None:
 
 
 # --------------------------------------------------------------------------- training
-def run_real(args):
-    if args.resume:
-        args = restore_args(args)
-    env = make_env(args)                    # before loading any model: fail fast on data
+def check_args(args, env):
+    """Every check that needs no model, so a mistake fails in seconds; makes paths absolute
+    (config.json must work from anywhere). Returns the personas of --method persona."""
     if not args.policy:
         raise SystemExit(f"--env {args.env} needs --policy MODEL (a Hugging Face name or local path)")
     if args.method not in REAL_METHODS:
@@ -312,15 +311,13 @@ def run_real(args):
     args.policy, args.simulator, args.data = resolve_path(args.policy), resolve_path(args.simulator), resolve_path(args.data)
     args.personas = resolve_path(args.personas)
     args.steps = args.steps if args.steps is not None else DEFAULT_STEPS
-    run_dir = Path(args.resume) if args.resume else Path(args.runs_dir) / (args.name or f"{args.env}-{args.method}")
-    if not args.resume and (run_dir / "state.pt").exists():
-        raise SystemExit(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
-                         "or pick another --name")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(run_dir / "config.json", json.dumps({**vars(args), "resume": None}, indent=2))
+    return personas
+
+
+def build_real_method(args, env, personas):
+    """Load the models (policy, simulator, panel) and assemble the method."""
     torch.manual_seed(0)
     random.seed(0)
-
     models = build_models(args, train_simulator=args.method in TRAINS_SIMULATOR)
     frozen = models.frozen
     if args.method == "ensemble":           # the seen panel members are the training ensemble
@@ -331,10 +328,40 @@ def run_real(args):
                           sim_model=models.sim_model if args.method in TRAINS_SIMULATOR else None,
                           sim_tokenizer=models.sim_tokenizer, sim_reward=env.default_simulator_reward,
                           personas=personas)
+    return models, method
+
+
+def evaluate_and_save(env, models, method, tasks, split, step, run_dir, best) -> tuple[dict, dict]:
+    """Evaluate the policy on `tasks` against the panel (one greedy episode each, on random
+    streams of its own), save the adapters of this step; returns (eval record, best so far)."""
+    with isolated_rng(eval_seed(0, step)):   # evaluating does not change training's randomness
+        res = evaluate_panel(env, models.policy, models.panel, tasks, episodes_per_task=1)
+    rec = {"kind": "eval", "step": step, "split": split, "tasks": len(tasks), **panel_means(res)}
+    save_adapter(models.policy_model, "policy", run_dir / f"policy-step{step}")
+    if method.trains_simulator:
+        save_adapter(method.partner.model, "simulator", run_dir / f"simulator-step{step}")
+    if not best or rec["panel_mean"] > best["panel_mean"]:
+        best = {"step": step, "panel_mean": rec["panel_mean"]}
+        write_text_atomic(run_dir / "best.json", json.dumps(best) + "\n")
+    return rec, best
+
+
+def run_real(args):
+    if args.resume:
+        args = restore_args(args)
+    env = make_env(args)                    # before loading any model: fail fast on data
+    personas = check_args(args, env)
     train_tasks = env.tasks("train")
     if not train_tasks:
         raise SystemExit(f"{env.name} has no training tasks: is the data complete?")
     test_tasks, split = eval_tasks(env)
+    run_dir = Path(args.resume) if args.resume else Path(args.runs_dir) / (args.name or f"{args.env}-{args.method}")
+    if not args.resume and (run_dir / "state.pt").exists():
+        raise SystemExit(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
+                         "or pick another --name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / "config.json", json.dumps({**vars(args), "resume": None}, indent=2))
+    models, method = build_real_method(args, env, personas)
     print(f"{env.name}: {len(train_tasks)} training tasks, {len(test_tasks)} {split} tasks for evaluation; "
           f"method {args.method}; run dir {run_dir}")
 
@@ -343,33 +370,24 @@ def run_real(args):
         start, best = load_state(state_path, models, method)
         print(f"resuming at step {start}")
     _keep_metrics_before(log_path, start)
-    log = log_path.open("a")
-    steps = args.steps
-    for step in tqdm(range(start, steps + 1), desc=f"{args.env}/{args.method}", initial=start, total=steps + 1):
-        if step % args.eval_every == 0 or step == steps:
-            with isolated_rng(eval_seed(0, step)):   # evaluating does not change training's randomness
-                res = evaluate_panel(env, models.policy, models.panel, test_tasks[: args.groups], episodes_per_task=1)
-            rec = {"kind": "eval", "step": step, "split": split, "tasks": len(test_tasks[: args.groups]),
-                   **panel_means(res)}
-            log.write(json.dumps(rec) + "\n")
+    with log_path.open("a") as log:
+        for step in tqdm(range(start, args.steps + 1), desc=f"{args.env}/{args.method}", initial=start,
+                         total=args.steps + 1):
+            if step % args.eval_every == 0 or step == args.steps:
+                rec, best = evaluate_and_save(env, models, method, test_tasks[: args.groups], split, step,
+                                              run_dir, best)
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+            if step == args.steps:
+                break
+            t0 = time.time()
+            # Tasks drawn from a per-step seed: a resumed run draws what it would have drawn.
+            batch = random.Random(step).sample(train_tasks, min(args.groups, len(train_tasks)))
+            metrics = train_step(method, env, batch, args.group_size, step)
+            metrics.pop("_episodes")
+            metrics.update(kind="train", seconds=time.time() - t0)
+            log.write(json.dumps(metrics) + "\n")
             log.flush()
-            save_adapter(models.policy_model, "policy", run_dir / f"policy-step{step}")
-            if method.trains_simulator:
-                save_adapter(method.partner.model, "simulator", run_dir / f"simulator-step{step}")
-            if not best or rec["panel_mean"] > best["panel_mean"]:
-                best = {"step": step, "panel_mean": rec["panel_mean"]}
-                write_text_atomic(run_dir / "best.json", json.dumps(best) + "\n")
-        if step == steps:
-            break
-        t0 = time.time()
-        # Tasks drawn from a per-step seed: a resumed run draws what it would have drawn.
-        batch = random.Random(step).sample(train_tasks, min(args.groups, len(train_tasks)))
-        m = train_step(method, env, batch, args.group_size, step)
-        m.pop("_episodes")
-        m.update(kind="train", seconds=time.time() - t0)
-        log.write(json.dumps(m) + "\n")
-        log.flush()
-        save_state(state_path, step, models, method, best)
-    log.close()
+            save_state(state_path, step, models, method, best)
     print(f"done: {run_dir}")
     return run_dir

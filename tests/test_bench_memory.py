@@ -30,6 +30,9 @@ def test_smoke_run_measures_every_default_configuration(tmp_path, capsys):
     memory.main(["--smoke", "--group-size", "4", "--tasks", "2", "--json", str(out)])
     results = json.loads(out.read_text())["results"]
     assert [r["config"] for r in results] == memory.DEFAULT_CONFIGS
+    plain = results.pop()                    # the contrast: one plain HF QLoRA step
+    assert plain["config"] == "hf-qlora" and plain["episodes"] == 4 and plain["max_tokens"] == 128
+    assert plain["step_time_s"] > 0 and plain["peak_bytes"] is None and plain["loss"] > 0
     for r in results:
         features = memory.CONFIGS[r["config"]]
         assert all(r[k] == v for k, v in features.items())
@@ -43,6 +46,7 @@ def test_smoke_run_measures_every_default_configuration(tmp_path, capsys):
         assert r["pool_bytes"] == r["pool_slot_bytes"] == 5 * r["adapter_bytes"]
     printed = capsys.readouterr().out
     assert "| tiny | no-micro-batching | nf4 | chunked | on | 8 |" in printed
+    assert "| tiny | hf-qlora | nf4 | HF loss | on | 4 |" in printed
     assert "GPU memory figures need CUDA" in printed
 
 
