@@ -14,15 +14,19 @@ as in the toy's worker processes. Also prints the loss of both, which must agree
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from minscope.envs.toy import ToyEnv, World
-from minscope.models import build_tiny_model
-from minscope.sft import encode_chat, nll, pad_batch
-from minscope.toy_models import ToyModelConfig, toy_tokenizer, vs_conversations
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/attention.py
+from minscope.envs.toy import ToyEnv, World  # noqa: E402
+from minscope.models import build_tiny_model  # noqa: E402
+from minscope.sft import encode_chat, nll, pad_batch  # noqa: E402
+from minscope.toy_models import ToyModelConfig, toy_tokenizer, vs_conversations  # noqa: E402
 
 
 def batches(tokenizer, n: int = 32, seed: int = 0):

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from minscope import triton_logprobs as tl
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/tiles.py
+from minscope import triton_logprobs as tl  # noqa: E402
 
 TOLERANCE = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 1e-5}   # max rel. diff vs the default
 

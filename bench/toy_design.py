@@ -24,12 +24,16 @@ so it is an upper bound on how easily an LM can learn the adaptive strategy.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from minscope.envs.toy import ACT_KEYS, ACTS, PERSONAS, World, sharpened
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/toy_design.py
+from minscope.envs.toy import ACT_KEYS, ACTS, PERSONAS, World, sharpened  # noqa: E402
 
 
 @dataclass

@@ -22,3 +22,4 @@ def test_vs_batches_are_long_and_both_attentions_give_the_same_loss():
         losses = [attention.step_time(build_tiny_model(tokenizer, "llama", 32, seed=0, attention=a), batch,
                                       steps=1, warmup=0)[1] for a in ("eager", "sdpa")]
         assert abs(losses[0] - losses[1]) < 1e-5 and losses[0] > 1.0               # untrained: ~log(vocab)
+

@@ -14,10 +14,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_tile_sweep_runs_in_the_interpreter(tmp_path):
     out = tmp_path / "tiles.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    # run as bench/gpu.sh runs it: `python bench/tiles.py`, no PYTHONPATH, from any folder
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TRITON_INTERPRET": "1"}
     cmd = [sys.executable, str(REPO / "bench" / "tiles.py"), "--device", "cpu", "--tokens", "8", "--hidden", "40",
            "--vocab", "300", "--dtype", "float32", "--max-configs", "3", "--reps", "1", "--json", str(out)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     res = json.loads(out.read_text())
     for kernel in ("stats", "dx"):
