@@ -218,7 +218,8 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
                   f"Inside sim-a sharpened by gamma, the exploit ({', '.join(f.get('exploit', ['?']))}) is worth **{f['exploit_lm']:.3f}** "
                   f"(exact value for the sharpened real users: {f['exploit_exact']:.3f}). Mean total variation "
                   f"between sim-a and the real users at the histories the exploit and the probe pass through: "
-                  f"**{f['tv']:.3f}**. The distribution sim-a-vs *states* when asked for one (Verbalized Sampling, "
+                  f"**{f['tv']:.3f}**" + (f" (a perfect simulator, sampled as often, scores {f['tv_floor']:.3f})"
+                                          if "tv_floor" in f else "") + ". The distribution sim-a-vs *states* when asked for one (Verbalized Sampling, "
                   f"decoded at temperature 1/gamma) is at TV **{f.get('vs_tv', float('nan')):.3f}** from the real users' "
                   f"(the assumption the paper's Proposition 3.7 needs: VS recovers the reference distribution).", ""]
         from .toy_models import fidelity_problems   # (torch only when there is a toy run to report)

@@ -13,7 +13,7 @@
                    with the top-5 replies and their true probabilities; the VS arm asks it.
                    (One 64-wide model holding both answer modes got the order of its plain
                    replies wrong where the exploit lives: measured, the exploit was worth 0.11
-                   inside it at gamma 8 instead of 0.88. Two models of the same data keep the
+                   inside it at gamma 8 instead of about 0.9, exact. Two models of the same data keep the
                    comparison fair: both are sim-a's world, sharpened the same way.)
 
 How well a simulator is learned matters more than anything else here (sharpening by
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .envs.base import Episode, Turn
-from .envs.toy import ACT_KEYS, ACTS, BLAND, ToyEnv, World, canonical_reply, sharpened, total_variation
+from .envs.toy import ACT_KEYS, ACTS, BLAND, REPLIES, ToyEnv, World, canonical_reply, sharpened, total_variation
 from .models import build_tiny_model, build_tokenizer
 from .rollout import rollout
 from .sft import sft
@@ -79,12 +79,14 @@ class ToyModelConfig:
     seed: int = 0
     workers: int = 2            # processes that train models in parallel (1 thread each)
     attention: str = "sdpa"     # attention implementation ("eager" rounds differently: a new cache)
-    world: int = 3              # version of the toy world and its data: bump it when they change
+    world: int = 3              # version of the toy world's dynamics: bump it when they change
 
     def key(self) -> str:
-        """The cache folder's name: a hash of everything the simulators depend on."""
+        """The cache folder's name: a hash of everything the simulators depend on (these
+        settings, and every text they and the tokenizer learn; `world` versions the rest)."""
         fields = {k: v for k, v in asdict(self).items()
                   if not k.startswith("policy_") and k != "workers"}
+        fields["texts"] = texts_fingerprint()
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
     def policy_name(self) -> str:
@@ -109,9 +111,18 @@ def vs_conversations(env: ToyEnv, world: World, transcripts, n: int, rng, k: int
     return out
 
 
-def toy_tokenizer(env: ToyEnv):
+def texts_fingerprint() -> str:
+    """A hash of the toy's texts: its utterances, prompts, the VS instruction and answer format."""
+    env = ToyEnv()
+    task = env.tasks()[0]
+    texts = env.corpus() + [vs_instruction(5), format_candidates([Candidate("x", 0.5)]),
+                            env.agent_messages(task)[0]["content"], env.partner_messages(task)[0]["content"]]
+    return hashlib.sha1("\n".join(texts).encode()).hexdigest()[:10]
+
+
+def toy_tokenizer(env: ToyEnv, vocab: int = ToyModelConfig.vocab):
     examples = [format_candidates([Candidate(r, 0.2) for r in env.corpus()[i:i + 5]]) for i in range(0, 40, 5)]
-    return build_tokenizer(env.corpus() * 3 + [vs_instruction(5)] * 3 + examples * 3, vocab_size=ToyModelConfig.vocab)
+    return build_tokenizer(env.corpus() * 3 + [vs_instruction(5)] * 3 + examples * 3, vocab_size=vocab)
 
 
 def with_utterance_tokens(tokenizer):
@@ -123,8 +134,6 @@ def with_utterance_tokens(tokenizer):
     LM simulators mistake for acts while real users do not understand them; the policy then
     optimises against that hole instead of the users (it did, in VS runs, measured). With one
     token per act it says an act, or visibly garbles it."""
-    from .envs.toy import ACTS, REPLIES
-
     tokenizer.add_tokens(sorted(set(ACTS.values()) | set(REPLIES)))
     return tokenizer
 
@@ -178,7 +187,7 @@ class ToyModels:
             tok = PreTrainedTokenizerFast.from_pretrained(str(path))
             tok.padding_side = "left"
             return tok
-        tok = toy_tokenizer(self.env) if name == "tokenizer" else with_utterance_tokens(self._tokenizer("tokenizer"))
+        tok = toy_tokenizer(self.env, self.cfg.vocab) if name == "tokenizer" else with_utterance_tokens(self._tokenizer("tokenizer"))
         tok.save_pretrained(str(path))
         return tok
 
@@ -239,6 +248,13 @@ class ToyModels:
             for line in pool.map(_train_one, [(str(self.dir.parent), self.cfg, n) for n in missing]):
                 self.log(line)
 
+    def get(self, name: str):
+        """One model (a name of SIMULATORS, or `cfg.policy_name()`), trained now if it is not
+        cached, without building the others (the notebook uses this)."""
+        if self._load(name) is None:
+            self.log(self.train(name))
+        return self._load(name)
+
     def policy_base(self):
         self.build()
         return self._load(self.cfg.policy_name())
@@ -283,6 +299,8 @@ def fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: in
     exact (lesson: sharpening magnifies simulator errors, so check this before RL).
     tv: mean total variation between the simulator's reply distribution (sampled at
     temperature 1) and the world's, at the histories the exploit and the probe pass through.
+    tv_floor: what a perfect simulator scores there with as many samples (sampling noise).
+    It is not small: the tv above is the simulator's error plus about this much.
     vs_tv (with `vs_simulator`): the same, for the distribution its VS answers state.
     """
     seq = world.exploit(gamma)
@@ -318,7 +336,10 @@ def fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: in
             for turn in plain.respond(batch, env):
                 counts[turn.text.strip()] = counts.get(turn.text.strip(), 0) + 1 / episodes
             tvs.append(total_variation(world.reply_dist(task.persona, history), counts))
-    out = {"exploit": list(seq), "exploit_lm": exploit_lm, "exploit_exact": exploit_exact, "tv": float(np.mean(tvs))}
+    floor = sampling_tv_floor([world.reply_dist(task.persona, h) for h in histories for task in env.tasks()],
+                              episodes)
+    out = {"exploit": list(seq), "exploit_lm": exploit_lm, "exploit_exact": exploit_exact, "tv": float(np.mean(tvs)),
+           "tv_floor": floor}
     if vs_simulator is not None:
         # the verbalized distribution itself (what the VS draw uses) vs the real users'
         vs = Verbalized(vs_simulator, k=5, seed=seed)
@@ -340,6 +361,19 @@ def fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: in
                 vtv.append(total_variation(world.reply_dist(task.persona, history), stated))
         out.update(vs_tv=float(np.mean(vtv)) if vtv else float("nan"), vs_parse_failures=fails)
     return out
+
+
+def sampling_tv_floor(dists: list[dict], n: int, reps: int = 400, seed: int = 0) -> float:
+    """Mean total variation between each distribution and the empirical distribution of
+    n samples from itself (Monte Carlo, on a generator of its own)."""
+    rng = np.random.default_rng(seed)
+    tvs = []
+    for d in dists:
+        p = np.array(list(d.values()), dtype=float)
+        p /= p.sum()
+        freq = rng.multinomial(n, p, size=reps) / n                      # [reps, len(p)]
+        tvs.append(0.5 * np.abs(freq - p).sum(axis=1).mean())
+    return float(np.mean(tvs))
 
 
 # Below these, the tiny simulators are too far from their world for the toy to mean anything

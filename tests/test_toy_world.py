@@ -283,3 +283,12 @@ def test_fidelity_check_passes_a_faithful_build_and_names_what_fails():
     assert fidelity_problems(good) == []
     bad = fidelity_problems({**good, "exploit_lm": 0.50, "vs_tv": float("nan")})
     assert len(bad) == 2 and "0.500" in bad[0] and "nan" in bad[1]
+
+
+def test_sampling_tv_floor_is_the_noise_of_a_perfect_sampler():
+    from minscope.toy_models import sampling_tv_floor
+
+    assert sampling_tv_floor([{"a": 1.0}], 64) == 0.0                    # nothing to miss
+    # fair coin, 64 flips: E|k/64 - 1/2| = 0.0497 (exact binomial), the TV of two outcomes
+    assert abs(sampling_tv_floor([{"a": 0.5, "b": 0.5}], 64, reps=4000) - 0.0497) < 0.003
+    assert sampling_tv_floor([{"a": 0.5, "b": 0.5}], 1024) < 0.015       # shrinks as 1/sqrt(n)

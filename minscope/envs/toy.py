@@ -19,7 +19,7 @@ persuaded (said "wow..."), warm (was probed), pledged (stated 1 or 2 dollars), h
   act        condition          replies
   invalid    -                  what do you mean .75 | stop pushing me .25
   probe      resentful          stop .6 | hmm hard to say .4
-  probe      -                  own 3 cues .2 each | hmm hard to say .3 | 9 other cues .1 total
+  probe      -                  own 3 cues .2 each | hmm hard to say .36 | 9 other cues .04 total
   strategy   resentful          stop .7 | okay i see .3
   strategy   pledged            okay .6 | no thanks .4        (lecturing a donor: retraction)
   strategy   persuaded          okay .75 | stop .25
@@ -432,12 +432,6 @@ class World:
 def history_from_turns(turns) -> tuple[str, ...]:
     """The world's history (alternating agent / partner utterances) from Episode turns."""
     return tuple(t.text for t in turns if t.role in ("agent", "partner"))
-
-
-def sample_transcripts(n, rng, persona_mix=None, cue_rate=None, policy="behavior"):
-    """Shortcut: transcripts from a default World with optional persona_mix / cue_rate."""
-    kwargs = {k: v for k, v in (("persona_mix", persona_mix), ("cue_rate", cue_rate)) if v is not None}
-    return World(**kwargs).sample_transcripts(n, rng, policy)
 
 
 # ---------------------------------------------------------------------------- environment
