@@ -1,33 +1,55 @@
 #!/usr/bin/env bash
 # Every GPU check of minscope in one go, on a CUDA machine with requirements.txt installed
-# (and a CUDA build of torch):
+# (and a CUDA build of torch), inside a time budget:
 #
-#   1. the Triton kernels' tests, now compiled and run on the GPU (plus the CPU-side ones);
-#   2. bench/logprobs.py at the reference shapes (N=16,384 x H=2,048 and 4,096 x 1,024,
+#   1. the Triton kernels' tests: the numeric checks on the compiled kernels on the GPU,
+#      the ahead-of-time compile checks, and the log-prob tests;
+#   2. bench/tiles.py: the two fused GRPO kernels timed at 8 candidate tile configs each
+#      (one 1,024-token chunk, Qwen3-1.7B head) against cuBLAS, to tune `tile_config`;
+#   3. bench/logprobs.py at the reference shapes (N=16,384 x H=2,048 and 4,096 x 1,024,
 #      bf16, V=151,936), with TRL and Liger when they are installed;
-#   3. bench/memory.py: one Population Co-Training step at Qwen3-0.6B and 1.7B shapes,
-#      with each memory feature turned off in turn, and a plain HF QLoRA step for contrast;
-#   4. bench/tiles.py: the two fused GRPO kernels timed at 8 candidate tile configs each
-#      (one 1,024-token chunk, Qwen3-1.7B head) against cuBLAS, to tune `tile_config`
-#      (all candidates compile for sm_90 within its shared memory, checked on CPU).
+#   4. bench/memory.py: one Population Co-Training step at Qwen3-1.7B then 0.6B shapes, with
+#      each memory feature turned off in turn, and a plain HF QLoRA step for contrast.
 #
 # Usage:  bash bench/gpu.sh [OUT_DIR]        (default: runs/gpu-YYYYMMDD)
-# Writes: gpu.txt (the GPU, driver, versions), tests.txt, logprobs.{md,json},
-#         memory.{md,json}, tiles.{md,json}. Each step runs even if an earlier one failed; the exit status
-#         is that of the first failure. About 10 minutes on an H100-class GPU.
+#   GPU_BUDGET_S  seconds for all four steps (default 540); each step gets at most its own
+#                 cap and what is left; the benchmarks save their JSON after every
+#                 measurement, so a step cut short keeps what it measured.
+#   PYTHON        the interpreter (default python3).
+#   .whl/*.whl    wheels installed first, if present (e.g. bitsandbytes on a machine
+#                 without it); without bitsandbytes every 4-bit configuration is skipped.
+# Writes 8 files: gpu.txt (the GPU, driver, versions), tests.txt, tiles.{md,json},
+# logprobs.{md,json}, memory.{md,json}. Each step runs even if an earlier one failed; the
+# exit status is that of the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu-$(date +%Y%m%d)}
 mkdir -p "$out"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+deadline=$(( $(date +%s) + ${GPU_BUDGET_S:-540} ))
 status=0
-step() {   # step NAME FILE COMMAND...: run, show and keep its output, remember a failure
-    local name=$1 file=$2
-    shift 2
-    echo "== $name"
-    "$@" 2>&1 | tee "$out/$file"
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/minscope-site .whl/*.whl \
+        && export PYTHONPATH=/tmp/minscope-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+step() {   # step NAME FILE CAP_SECONDS COMMAND...: run within min(CAP, time left), keep its output
+    local name=$1 file=$2 cap=$3
+    shift 3
+    local left=$(( deadline - $(date +%s) ))
+    [ "$left" -lt "$cap" ] && cap=$left
+    echo "== $name (at most ${cap} s)"
+    if [ "$cap" -le 5 ]; then
+        echo "!! $name skipped: the time budget is spent" | tee "$out/$file"
+        [ "$status" -eq 0 ] && status=124
+        return
+    fi
+    timeout "$cap" "$@" 2>&1 | tee "$out/$file"
     local rc=${PIPESTATUS[0]}
     if [ "$rc" -ne 0 ]; then
-        echo "!! $name failed (exit $rc)"
+        echo "!! $name failed (exit $rc$([ "$rc" -eq 124 ] && echo ', out of time'))" | tee -a "$out/$file"
         [ "$status" -eq 0 ] && status=$rc
     fi
 }
@@ -35,14 +57,17 @@ step() {   # step NAME FILE COMMAND...: run, show and keep its output, remember 
 {
     date -u +"%Y-%m-%d %H:%M UTC"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__)"
-    python -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)"
+    "$PY" -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__)"
+    "$PY" -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)" \
+        || echo "bitsandbytes missing: the 4-bit configurations of bench/memory.py will be skipped"
 } 2>&1 | tee "$out/gpu.txt"
 
-step "Triton kernels and log-prob tests" tests.txt \
-    python -m pytest -q -rs tests/test_triton_logprobs.py tests/test_logprobs.py
-step "bench/logprobs.py" logprobs.md python bench/logprobs.py --device cuda --json "$out/logprobs.json"
-step "bench/memory.py" memory.md python bench/memory.py --device cuda --json "$out/memory.json"
-step "bench/tiles.py" tiles.md timeout 300 python bench/tiles.py --json "$out/tiles.json"
+step "Triton kernels and log-prob tests" tests.txt 150 \
+    "$PY" -m pytest -q -rs tests/test_triton_logprobs.py tests/test_logprobs.py
+step "bench/tiles.py" tiles.md 120 "$PY" bench/tiles.py --json "$out/tiles.json"
+step "bench/logprobs.py" logprobs.md 200 \
+    "$PY" bench/logprobs.py --device cuda --timeout 90 --json "$out/logprobs.json"
+step "bench/memory.py" memory.md 100000 \
+    "$PY" bench/memory.py --device cuda --repeats 1 --timeout 120 --json "$out/memory.json"
 echo "results in $out"
 exit $status

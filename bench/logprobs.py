@@ -292,7 +292,10 @@ def run_subprocess(args, extra, timeout):
            "--trl-vocab-chunk", str(args.trl_vocab_chunk), "--temperature", str(args.temperature),
            "--warmup", str(args.warmup), "--repeats", str(args.repeats)] + extra
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")   # see "How memory is measured"
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    except subprocess.TimeoutExpired:
+        return None, f"timeout after {timeout} s"
     if proc.returncode != 0:
         lines = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()
         oom = any("out of memory" in line.lower() for line in lines)
@@ -318,6 +321,12 @@ def unavailable(method, args):
         if importlib.util.find_spec(root) is None:
             return f"{root} not installed"
     return None
+
+
+def write_json(args, results):
+    if args.json:
+        keep = {k: v for k, v in vars(args).items() if k not in ("worker", "shape", "reference_file")}
+        Path(args.json).write_text(json.dumps(dict(config=keep, results=results), indent=2))
 
 
 def fmt_bytes(b):
@@ -362,6 +371,7 @@ def main(argv=None):
                 results.append(res)
                 print(f"{method:<12} {res['time_s'] * 1e3:>8.1f}ms {fmt_bytes(res['extra_peak_bytes']):>11} "
                       f"{fmt_err(res['err_logp']):>11} {fmt_err(res['err_grad']):>11}  {res['grad_of']}")
+                write_json(args, results)          # after every method: a killed run keeps what it measured
         by_method = {r["method"]: r for r in results if r.get("shape") == shape and "skipped" not in r}
         if "naive" in by_method:
             naive_peak = by_method["naive"]["extra_peak_bytes"]
@@ -369,9 +379,7 @@ def main(argv=None):
                 if m in by_method and by_method[m]["extra_peak_bytes"] > 0:
                     print(f"  naive extra peak / {m}: {naive_peak / by_method[m]['extra_peak_bytes']:.1f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(config={k: v for k, v in vars(args).items()
-                                                           if k not in ("worker", "shape", "reference_file")},
-                                                   results=results), indent=2))
+        write_json(args, results)
         print(f"\nwrote {args.json}")
 
 

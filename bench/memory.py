@@ -130,7 +130,7 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="tiny shape, 128-token episodes, in-process: tests this script on CPU")
     p.add_argument("--shapes", default=None,
-                   help=f"comma list of {', '.join(SHAPES)} (default: 0.6b,1.7b; --smoke: tiny)")
+                   help=f"comma list of {', '.join(SHAPES)} (default: 1.7b,0.6b; --smoke: tiny)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma list of {', '.join(CONFIGS)} (default: %(default)s)")
     p.add_argument("--episode-tokens", type=int, default=None,
@@ -156,7 +156,7 @@ def parse_args(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but torch sees no CUDA device; use --smoke (CPU) instead")
     cuda = args.device == "cuda"
-    args.shapes = [s for s in (args.shapes or ("tiny" if args.smoke else "0.6b,1.7b")).split(",") if s]
+    args.shapes = [s for s in (args.shapes or ("tiny" if args.smoke else "1.7b,0.6b")).split(",") if s]
     args.configs = [c for c in args.configs.split(",") if c]
     for name, known, what in ((args.shapes, SHAPES, "shape"), (args.configs, CONFIGS, "config")):
         bad = [n for n in name if n not in known]
@@ -577,6 +577,7 @@ def main(argv=None):
                 results.append(res if res else dict(shape=shape, config=config, skipped=err))
                 print(f"  {shape} {config}: " + (f"peak {fmt_bytes(res['peak_bytes'])}, step "
                                                  f"{res['step_time_s']:.2f} s" if res else err), flush=True)
+                write_json(args, results)          # after every config: a killed run keeps what it measured
     print()
     print(table(results))
     done = [r for r in results if "skipped" not in r]
@@ -600,10 +601,15 @@ def main(argv=None):
     if not cuda:
         print("\nGPU memory figures need CUDA: on CPU this checks the script's logic and times only.")
     if args.json:
-        keep = {k: v for k, v in vars(args).items() if k not in ("worker", "checkpoint")}
-        Path(args.json).write_text(json.dumps(dict(config=keep, results=results), indent=2))
+        write_json(args, results)
         print(f"\nwrote {args.json}")
     return results
+
+
+def write_json(args, results):
+    if args.json:
+        keep = {k: v for k, v in vars(args).items() if k not in ("worker", "checkpoint")}
+        Path(args.json).write_text(json.dumps(dict(config=keep, results=results), indent=2))
 
 
 if __name__ == "__main__":

@@ -2,15 +2,17 @@
 
 Two kinds of checks, neither needing a GPU:
 
-* Numerics, in the Triton interpreter. The interpreter has to be switched on
-  (TRITON_INTERPRET=1) before Triton is imported, and the other test files in the same
-  pytest process must not see it. So the checks run once, in a subprocess: this file run
-  as a script computes every comparison and prints a JSON dict of errors; the tests below
-  each assert on their part of it. Shapes are tiny and odd (the interpreter runs each
-  program in numpy); small tiles make the kernels walk several tiles along N, V and H,
-  with ragged edges on each. To see the numbers:
+* Numerics. On a machine without a GPU they run in the Triton interpreter, which has to be
+  switched on (TRITON_INTERPRET=1) before Triton is imported, and the other test files in
+  the same pytest process must not see it. So the checks run once, in a subprocess: this
+  file run as a script computes every comparison and prints a JSON dict of errors; the
+  tests below each assert on their part of it. Shapes are tiny and odd (the interpreter
+  runs each program in numpy); small tiles make the kernels walk several tiles along N, V
+  and H, with ragged edges on each. On a machine with a CUDA GPU the same checks run on
+  the compiled kernels instead (and the interpreter is not used). To see the numbers:
 
-      TRITON_INTERPRET=1 PYTHONPATH=. python tests/test_triton_logprobs.py
+      TRITON_INTERPRET=1 PYTHONPATH=. python tests/test_triton_logprobs.py      # CPU
+      PYTHONPATH=. python tests/test_triton_logprobs.py cuda                     # GPU
 
 * Compilation. Triton ships its own ptxas, so the kernels can be compiled ahead of time
   for sm_86 (consumer Ampere) and sm_90 (Hopper) on a CPU-only machine: this catches what
@@ -36,18 +38,23 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL_TILES = dict(block_n=16, block_v=32, block_h=16, dx_block_h=16, dx_block_v=16)
 
 
-def interpreter_checks() -> dict:
-    """All comparisons, as {name: max error}; runs with TRITON_INTERPRET=1 (see __main__)."""
+def numeric_checks(device: str = "cpu") -> dict:
+    """All comparisons, as {name: max error}: on "cpu" in the interpreter (TRITON_INTERPRET=1),
+    on "cuda" with the compiled kernels (see __main__). Inputs are drawn on the CPU, so both
+    see the same numbers."""
     import torch
 
     from minscope import grpo, triton_logprobs
     from minscope.logprobs import fused_grpo_token_loss, token_logprobs
 
+    def randn(*shape, seed):
+        return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
     def inputs(lead, h, v, dtype, seed, weight_grad=False):
         gen = torch.Generator().manual_seed(seed)
-        hidden = torch.randn(*lead, h, generator=gen).to(dtype).requires_grad_(True)
-        weight = (torch.randn(v, h, generator=gen) * 2 / h ** 0.5).to(dtype).requires_grad_(weight_grad)
-        targets = torch.randint(0, v, lead, generator=gen)
+        hidden = torch.randn(*lead, h, generator=gen).to(device, dtype).requires_grad_(True)
+        weight = (torch.randn(v, h, generator=gen) * 2 / h ** 0.5).to(device, dtype).requires_grad_(weight_grad)
+        targets = torch.randint(0, v, lead, generator=gen).to(device)
         return hidden, weight, targets
 
     def exact_log_softmax(hidden, weight, temperature):     # fp32 maths on the given values
@@ -71,7 +78,7 @@ def interpreter_checks() -> dict:
         out[f"{name}/logp"] = err(logp, log_p.gather(1, targets[:, None]).squeeze(1))
         out[f"{name}/lse"] = err(lse, torch.logsumexp(x.float() @ w.float().T / temperature, -1))
         out[f"{name}/entropy"] = err(entropy, -(log_p.exp() * log_p).sum(-1))
-        dlogp = torch.randn(37, generator=torch.Generator().manual_seed(2))
+        dlogp = randn(37, seed=2)
         grad = triton_logprobs.logit_grad(x, w, targets, lse, dlogp, temperature, config=SMALL_TILES)
         onehot = torch.nn.functional.one_hot(targets, 300).float()
         out[f"{name}/logit_grad_dtype_ok"] = float(grad.dtype == dtype)
@@ -102,7 +109,7 @@ def interpreter_checks() -> dict:
         x[0] = (w[targets[0]].float() * 6).to(dtype)
         log_p = exact_log_softmax(x, w, 1.0)
         _, lse, _, stored = triton_logprobs.softmax_stats(x, w, targets, config=SMALL_TILES, store_probs=True)
-        g = triton_logprobs.grad_from_probs(stored, targets, lse, torch.ones(5), block_n=8)
+        g = triton_logprobs.grad_from_probs(stored, targets, lse, torch.ones(5, device=device), block_n=8)
         want = 1 - log_p[0, targets[0]].exp()
         out[f"confident/{str(dtype)[6:]}/p_target"] = log_p[0, targets[0]].exp().item()
         out[f"confident/{str(dtype)[6:]}/target_grad_rel"] = abs(g[0, targets[0]].item() - want.item()) / want.item()
@@ -111,7 +118,7 @@ def interpreter_checks() -> dict:
     for dtype in (torch.float32, torch.bfloat16):
         name = f"token_logprobs/{str(dtype)[6:]}"
         hidden, weight, targets = inputs((3, 11), 32, 300, dtype, seed=3, weight_grad=True)
-        cot = torch.randn(3, 11, generator=torch.Generator().manual_seed(4))
+        cot = randn(3, 11, seed=4)
         logp, entropy = token_logprobs(hidden, weight, targets, 0.8, return_entropy=True,
                                        chunk_size=16, backend="triton")
         d_hidden, d_weight = torch.autograd.grad((cot * logp).sum(), (hidden, weight))
@@ -136,8 +143,9 @@ def interpreter_checks() -> dict:
         hidden, weight, targets = inputs((29,), 32, 300, dtype, seed=5, weight_grad=trainable)
         gen = torch.Generator().manual_seed(6)
         logp0 = exact_log_softmax(hidden, weight, 0.8).gather(1, targets[:, None]).squeeze(1)
-        old, ref = logp0 + 0.5 * torch.randn(29, generator=gen), logp0 + 0.3 * torch.randn(29, generator=gen)
-        adv, token_w = torch.randn(29, generator=gen), torch.rand(29, generator=gen) / 29
+        old = logp0 + 0.5 * torch.randn(29, generator=gen).to(device)
+        ref = logp0 + 0.3 * torch.randn(29, generator=gen).to(device)
+        adv, token_w = torch.randn(29, generator=gen).to(device), torch.rand(29, generator=gen).to(device) / 29
         loss, logp, _ = fused_grpo_token_loss(hidden, weight, targets, old, ref, adv, token_w, beta=0.1,
                                               temperature=0.8, chunk_size=16, backend="triton")
         params = (hidden, weight) if trainable else (hidden,)
@@ -240,6 +248,7 @@ def compile_checks() -> dict:
 
 
 def run_script(mode: str, interpret: bool) -> dict:
+    """Run this file as a script in a fresh process (see __main__); its JSON dict."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     if interpret:
@@ -252,6 +261,9 @@ def run_script(mode: str, interpret: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def errors():
+    import torch
+    if torch.cuda.is_available():      # the compiled kernels on the GPU, not the interpreter
+        return run_script("cuda", interpret=False)
     return run_script("interpret", interpret=True)
 
 
@@ -395,11 +407,11 @@ def test_triton_matches_torch_path_on_cuda():
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "interpret"
-    if mode == "compile":
+    if mode in ("compile", "cuda"):
         if os.environ.get("TRITON_INTERPRET") == "1":
-            sys.exit("compile checks need the real Triton: unset TRITON_INTERPRET")
-        print(json.dumps(compile_checks()))
+            sys.exit(f"{mode} checks need the real Triton: unset TRITON_INTERPRET")
+        print(json.dumps(compile_checks() if mode == "compile" else numeric_checks("cuda")))
     else:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("run with TRITON_INTERPRET=1 (the kernels run in the Triton interpreter on CPU)")
-        print(json.dumps(interpreter_checks()))
+        print(json.dumps(numeric_checks("cpu")))
