@@ -33,7 +33,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/toy_design.py
-from minscope.envs.toy import ACT_KEYS, ACTS, PERSONAS, World, sharpened  # noqa: E402
+from minscope.envs.toy import ACT_KEYS, ACTS, BLAND, PERSONAS, World, canonical_reply, sharpened  # noqa: E402
+from minscope.toy_models import ToyModelConfig  # noqa: E402
 
 
 @dataclass
@@ -147,16 +148,20 @@ def train(world: World, reply_models, cfg: Config, seed: int):
     return curves
 
 
-def base_prior(world: World, skill: float, asks: float):
-    """The LM policy base's act distribution (minscope.toy_models): the best adaptive act
-    with probability `skill`, else an ask with probability `asks`, else another act."""
+def base_prior(world: World, skill: float, asks: float, blind: str = ToyModelConfig.policy_blind):
+    """The LM policy base's act distribution (minscope.toy_models.base_persuader): the best
+    adaptive act with probability `skill` (but `blind` after a probe that revealed nothing),
+    else an ask with probability `asks`, else another act."""
     table = world.best_adaptive()[1]
     others = [a for a in ACT_KEYS if not a.endswith("_ask")]
 
     def prior(history):
         p = np.array([(1 - skill) * (asks / 2 if a.endswith("_ask") else (1 - asks) / len(others))
                       for a in ACT_KEYS])
-        p[ACT_KEYS.index(table.get(history, "probe"))] += skill
+        skilled = table.get(history, "probe")
+        if blind and len(history) == 2 and canonical_reply(history[1]) == BLAND:
+            skilled = blind
+        p[ACT_KEYS.index(skilled)] += skill
         return p
     return prior
 

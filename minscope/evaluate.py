@@ -89,7 +89,7 @@ def isolated_rng(seed: int, *speakers):
 
 def eval_seed(seed: int, step: int) -> int:
     """The seed of the evaluation at `step` of the run (or toy arm) with training seed `seed`:
-    distinct for every (seed, step) pair of any run under a million steps (1,000,003 is prime)."""
+    distinct for every (seed, step) pair of a run shorter than 1,000,003 steps."""
     return 1_000_003 * (seed + 1) + step
 
 

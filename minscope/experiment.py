@@ -287,6 +287,8 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
             rec = eval_record(toy, m, method, seed, step, final=step == steps)
             if c.meter_every and (step % c.meter_every == 0 or step == steps):
                 partner = m.partner if method != "base" else toy.frozen["sim-a"]
+                # (+1: a stream apart from this evaluation's; it is the next step's evaluation
+                # seed, which only matters with eval_every = 1)
                 with isolated_rng(eval_seed(seed, step) + 1, partner):
                     rec["meter"] = collapse_meter(toy.env, m.policy, partner, tasks, n_ref=2, n_resample=4, n_mode=6)
             write(rec)
