@@ -383,7 +383,8 @@ def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bo
         fid = fidelity(Frozen(sim, models.tokenizer, max_new_tokens=12), world, cfg.gamma, vs_simulator=vs_sim)
         write_text_atomic(fid_path, json.dumps(fid))
         log(f"sim-a fidelity: exploit value inside the gamma={cfg.gamma:g} simulator {fid['exploit_lm']:.3f} "
-            f"(exact {fid['exploit_exact']:.3f}); mean TV to the real users at key histories {fid['tv']:.3f}; "
+            f"(exact {fid['exploit_exact']:.3f}); mean TV to the real users at key histories {fid['tv']:.3f} "
+            f"(sampling noise alone: {fid['tv_floor']:.3f}); "
             f"TV of sim-a-vs's verbalized distribution {fid['vs_tv']:.3f}")
         for problem in fidelity_problems(fid):
             log(f"warning: the fidelity check fails: {problem}; the arms below will run, but their "
