@@ -169,12 +169,21 @@ def _mm_fp32(a, b):
     return (a @ b).float()          # CPU: no fp32-output kernel for bf16; round then widen
 
 
+_ADDMM_OUT_DTYPE = [True]           # until a torch build refuses an fp32 `acc` with bf16 factors
+
+
 def _addmm_fp32_(acc, a, b):
     """acc += a @ b with acc fp32 [V, H] (the weight gradient, summed over row chunks)."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
     elif a.is_cuda and _CUDA_MM_OUT_DTYPE:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        if _ADDMM_OUT_DTYPE[0]:
+            try:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                return
+            except RuntimeError:     # some builds want self and mat2 in one dtype
+                _ADDMM_OUT_DTYPE[0] = False
+        acc.add_(torch.mm(a, b, out_dtype=torch.float32))     # one fp32 [V, H] temporary
     else:
         acc.addmm_(a.float(), b.float())
 
