@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from .envs.toy import RealUsers, ToyEnv, World
 from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
-from .files import save_atomic, write_text_atomic
+from .files import save_atomic, truncate_log, write_text_atomic
 from .methods import Method, build_method, train_step
 from .models import adapter_state, add_adapters, load_adapter_state
 from .rollout import LMSpeaker
@@ -318,10 +318,8 @@ class MetricsLog:
         self.path = path
 
     def trim(self, from_step: int):
-        if self.path.exists():
-            # the state of step k is saved after its train record: everything later is redone
-            lines = [l for l in self.path.read_text().splitlines() if json.loads(l)["step"] <= from_step]
-            write_text_atomic(self.path, "".join(l + "\n" for l in lines))
+        # the state of step k is saved after its train record: everything later is redone
+        truncate_log(self.path, from_step)
 
     def __call__(self, record: dict):
         with self.path.open("a") as f:

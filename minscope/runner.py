@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from .envs.base import read_personas
 from .evaluate import eval_seed, evaluate_panel, isolated_rng
-from .files import save_atomic, write_text_atomic
+from .files import save_atomic, truncate_log, write_text_atomic
 from .methods import METHODS, build_method, train_step
 from .models import adapter_state, add_adapters, load_adapter, load_adapter_state, load_model, save_adapter
 from .rollout import LMSpeaker
@@ -256,16 +256,6 @@ def load_state(path: Path, models: Models, method) -> tuple[int, dict]:
     return st["step"] + 1, st.get("best", {})
 
 
-def _keep_metrics_before(log_path: Path, start: int):
-    """Drop metric lines of steps that were not finished before an interruption, so a
-    resumed run does not log them twice."""
-    if not log_path.exists():
-        return
-    lines = [ln for ln in log_path.read_text().splitlines() if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln).get("step", 0) < start]
-    write_text_atomic(log_path, "".join(ln + "\n" for ln in kept))
-
-
 def panel_means(res: dict) -> dict:
     """Flat eval record: each member's mean, the seen/unseen group means, and their overall
     mean (`panel_mean`, used to pick the best checkpoint)."""
@@ -369,7 +359,7 @@ def run_real(args):
     if state_path.exists():
         start, best = load_state(state_path, models, method)
         print(f"resuming at step {start}")
-    _keep_metrics_before(log_path, start)
+    truncate_log(log_path, start - 1)          # steps after the saved state are redone
     with log_path.open("a") as log:
         for step in tqdm(range(start, args.steps + 1), desc=f"{args.env}/{args.method}", initial=start,
                          total=args.steps + 1):
