@@ -4,12 +4,13 @@
 #
 #   1. the Triton kernels' tests: the numeric checks on the compiled kernels on the GPU,
 #      the ahead-of-time compile checks, and the log-prob tests;
-#   2. bench/tiles.py: the two fused GRPO kernels timed at 8 candidate tile configs each
-#      (one 1,024-token chunk, Qwen3-1.7B head) against cuBLAS, to tune `tile_config`;
-#   3. bench/logprobs.py at the reference shapes (N=16,384 x H=2,048 and 4,096 x 1,024,
+#   2. bench/logprobs.py at the reference shapes (N=16,384 x H=2,048 and 4,096 x 1,024,
 #      bf16, V=151,936), with TRL and Liger when they are installed;
-#   4. bench/memory.py: one Population Co-Training step at Qwen3-1.7B then 0.6B shapes, with
-#      each memory feature turned off in turn, and a plain HF QLoRA step for contrast.
+#   3. bench/memory.py: one Population Co-Training step at Qwen3-1.7B then 0.6B shapes, the
+#      target configuration first, then a plain HF QLoRA step for contrast, then each
+#      memory feature turned off in turn;
+#   4. bench/tiles.py: the two fused GRPO kernels timed at 8 candidate tile configs each
+#      (one 1,024-token chunk, Qwen3-1.7B head) against cuBLAS, to tune `tile_config`.
 #
 # Usage:  bash bench/gpu.sh [OUT_DIR]        (default: runs/gpu-YYYYMMDD)
 #   GPU_BUDGET_S  seconds for all four steps (default 540); each step gets at most its own
@@ -62,12 +63,14 @@ step() {   # step NAME FILE CAP_SECONDS COMMAND...: run within min(CAP, time lef
         || echo "bitsandbytes missing: the 4-bit configurations of bench/memory.py will be skipped"
 } 2>&1 | tee "$out/gpu.txt"
 
-step "Triton kernels and log-prob tests" tests.txt 150 \
+step "Triton kernels and log-prob tests" tests.txt 120 \
     "$PY" -m pytest -q -rs tests/test_triton_logprobs.py tests/test_logprobs.py
-step "bench/tiles.py" tiles.md 120 "$PY" bench/tiles.py --json "$out/tiles.json"
-step "bench/logprobs.py" logprobs.md 200 \
+step "bench/logprobs.py" logprobs.md 180 \
     "$PY" bench/logprobs.py --device cuda --timeout 90 --json "$out/logprobs.json"
-step "bench/memory.py" memory.md 100000 \
-    "$PY" bench/memory.py --device cuda --repeats 1 --timeout 120 --json "$out/memory.json"
+# The memory step leaves 60 s for the tile sweep; its configurations run target-first.
+step "bench/memory.py" memory.md $(( deadline - $(date +%s) - 60 )) \
+    "$PY" bench/memory.py --device cuda --repeats 1 --timeout 120 --json "$out/memory.json" \
+    --configs all,hf-qlora,naive-logprobs,bf16-base,no-checkpointing,no-micro-batching
+step "bench/tiles.py" tiles.md 120 "$PY" bench/tiles.py --json "$out/tiles.json"
 echo "results in $out"
 exit $status
