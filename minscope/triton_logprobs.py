@@ -50,11 +50,12 @@ Four kernels:
   itself: this elementwise kernel writes it from p (one read, one write) and cuBLAS does
   dx and dW. Tiny models trained from scratch use this; LoRA never does.
 
-Tile sizes come from `tile_config`: ordinary bf16 GEMM tiles (128 x 128 output tiles
-where shared memory allows, as on Hopper and A100; 64 x 128 on consumer GPUs with
-~100 KB per block), 3 pipeline stages. The tests compile every kernel ahead of time for
-sm_86 and sm_90 (no GPU needed) and check that they use tensor-core MMAs and fit in
-shared memory; the sizes have not been tuned on hardware.
+Tile sizes come from `tile_config`. Where shared memory allows (Hopper, A100), bf16 uses
+the fastest sizes bench/tiles.py measured on an H200: 128 x 128 logit tiles with 4 pipeline
+stages for the statistics kernel, 64 x 256 output tiles of dx for the dx kernel. Elsewhere
+(consumer GPUs with ~100 KB per block, fp32) they are chosen by shared memory and not
+measured. The tests compile every kernel ahead of time for sm_86 and sm_90 (no GPU needed)
+and check that they use tensor-core MMAs and fit in shared memory.
 
 Under TRITON_INTERPRET=1 (CPU tests) the interpreter cannot multiply bfloat16 tiles (it
 stores them as raw uint16), so there the tiles are upcast to float32 before `tl.dot`.
@@ -265,17 +266,29 @@ def _unit_stride(t):
 
 
 def tile_config(shared_memory_bytes: int, dtype: torch.dtype) -> dict:
-    """Tile sizes and launch settings for a GPU with this much shared memory per block."""
-    # 3 pipeline stages of [BLOCK_N, BLOCK_H] + [BLOCK_V, BLOCK_H] tiles live in shared
-    # memory: 128 rows need ~96 KB (Hopper: 227 KB, A100: 163 KB), 64 rows ~48 KB, which
-    # also fits the ~100 KB of consumer GPUs. fp32 tiles take twice the bytes per element,
-    # so they step through H half as far. The dx kernel (dx_*) is a GEMM over the vocabulary:
-    # [BLOCK_N, dx_block_v] tiles of p and [dx_block_v, dx_block_h] tiles of W per stage;
-    # dx_block_v must divide block_v (one tile max per row and step).
+    """Tile sizes and launch settings for a GPU with this much shared memory per block.
+
+    Keys without a prefix are the statistics (and logit-gradient) kernel's; dx_* are the dx
+    kernel's. The bf16 sizes for GPUs with >= 160 KB (Hopper, A100) are the fastest that
+    bench/tiles.py found on an H200 (README, "Fused log-probs"); the others are unmeasured.
+    """
+    # A pipeline stage of the statistics kernel holds a [block_n, block_h] tile of hidden
+    # and a [block_v, block_h] tile of W: 32 KB at 128 x 128 x 64 in bf16, so 4 stages need
+    # 128 KB (Hopper: 227 KB, A100: 163 KB) and 64-row tiles with 3 stages ~48 KB, which
+    # fits the ~100 KB of consumer GPUs. fp32 tiles take twice the bytes per element, so
+    # they step through H half as far. The dx kernel is a GEMM over the vocabulary: a stage
+    # holds a [dx_block_n, dx_block_v] tile of p and a [dx_block_v, dx_block_h] tile of W
+    # (40 KB at 64 x 64 x 256); dx_block_v must divide block_v (one tile max per row and step).
     big = shared_memory_bytes >= 160 * 1024
-    fp32 = dtype == torch.float32
-    return dict(block_n=128 if big else 64, block_v=128, block_h=32 if fp32 else 64,
-                dx_block_h=128, dx_block_v=32 if fp32 else 64, num_warps=8, num_stages=3)
+    if dtype == torch.float32:
+        rows = 128 if big else 64
+        return dict(block_n=rows, block_v=128, block_h=32, num_warps=8, num_stages=3,
+                    dx_block_n=rows, dx_block_v=32, dx_block_h=128, dx_num_warps=8, dx_num_stages=3)
+    if big:
+        return dict(block_n=128, block_v=128, block_h=64, num_warps=8, num_stages=4,
+                    dx_block_n=64, dx_block_v=64, dx_block_h=256, dx_num_warps=8, dx_num_stages=3)
+    return dict(block_n=64, block_v=128, block_h=64, num_warps=8, num_stages=3,
+                dx_block_n=64, dx_block_v=64, dx_block_h=128, dx_num_warps=8, dx_num_stages=3)
 
 
 def kernel_config(device: torch.device, dtype: torch.dtype) -> dict:
@@ -365,7 +378,7 @@ def dx_from_probs(stored: StoredProbs, targets, lse, dlogp, weight, temperature:
     n, v = stored.p.shape
     h = weight.shape[1]
     if v_splits is None:
-        tiles = triton.cdiv(n, cfg["block_n"]) * triton.cdiv(h, cfg["dx_block_h"])
+        tiles = triton.cdiv(n, cfg["dx_block_n"]) * triton.cdiv(h, cfg["dx_block_h"])
         v_splits = _vocab_splits(tiles, v, weight.device, stored.block_v)
     # every split starts on a stats tile, so each dx step sees one tile max per row
     v_per_split = triton.cdiv(triton.cdiv(v, v_splits), stored.block_v) * stored.block_v
@@ -373,13 +386,13 @@ def dx_from_probs(stored: StoredProbs, targets, lse, dlogp, weight, temperature:
     out = torch.empty(v_splits, n, h, dtype=torch.float32, device=weight.device)
     coef = (dlogp.float() / temperature).contiguous()
     dot_fp32, ieee = _dot_flags(weight.dtype)
-    grid = (triton.cdiv(n, cfg["block_n"]), triton.cdiv(h, cfg["dx_block_h"]), v_splits)
+    grid = (triton.cdiv(n, cfg["dx_block_n"]), triton.cdiv(h, cfg["dx_block_h"]), v_splits)
     _dx_from_probs_kernel[grid](
         stored.p, stored.tile_max, targets, lse.float().contiguous(), coef, weight, out,
         n, v, h, stored.p.stride(0), stored.tile_max.stride(0), weight.stride(0), v_per_split,
-        BLOCK_N=cfg["block_n"], BLOCK_V=cfg["dx_block_v"], BLOCK_H=cfg["dx_block_h"],
+        BLOCK_N=cfg["dx_block_n"], BLOCK_V=cfg["dx_block_v"], BLOCK_H=cfg["dx_block_h"],
         BLOCK_V_STATS=stored.block_v, DOT_FP32=dot_fp32, IEEE=ieee,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["dx_num_warps"], num_stages=cfg["dx_num_stages"])
     return (out[0] if v_splits == 1 else out.sum(dim=0)).to(weight.dtype)
 
 

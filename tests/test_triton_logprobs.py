@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed")
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL_TILES = dict(block_n=16, block_v=32, block_h=16, dx_block_h=16, dx_block_v=16)
+SMALL_TILES = dict(block_n=16, block_v=32, block_h=16, dx_block_n=16, dx_block_h=16, dx_block_v=16)
 
 
 def numeric_checks(device: str = "cpu") -> dict:
@@ -202,7 +202,7 @@ def compile_checks() -> dict:
             **probs_args(t), w_ptr=f"*{t}", out_ptr="*fp32", N="i32", V="i32", H="i32",
             stride_p="i32", stride_t="i32", stride_w="i32", v_per_split="i32", **tiles,
             BLOCK_V_STATS="constexpr"), lambda c: dict(
-            BLOCK_N=c["block_n"], BLOCK_V=c["dx_block_v"], BLOCK_H=c["dx_block_h"],
+            BLOCK_N=c["dx_block_n"], BLOCK_V=c["dx_block_v"], BLOCK_H=c["dx_block_h"],
             BLOCK_V_STATS=c["block_v"])),
     }
     # what Triton's launcher assumes at real shapes (H, V, strides multiples of 16)
@@ -213,8 +213,9 @@ def compile_checks() -> dict:
         attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(sig) if arg in aligned}
         src = ASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=dict(
             DOT_FP32=False, IEEE=dtype == torch.float32, **constexprs))
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                  options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        pre = "dx_" if "dx_from_probs" in key else ""
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(
+            num_warps=cfg[pre + "num_warps"], num_stages=cfg[pre + "num_stages"]))
         return {f"{key}/shared": compiled.metadata.shared, f"{key}/mma": compiled.asm["ptx"].count("mma")}
 
     out = {}
