@@ -51,10 +51,10 @@ Four kernels:
   dx and dW. Tiny models trained from scratch use this; LoRA never does.
 
 Tile sizes come from `tile_config`. Where shared memory allows (Hopper, A100), bf16 uses
-the fastest sizes bench/tiles.py measured on an H200: 128 x 128 logit tiles with 4 pipeline
-stages for the statistics kernel, 64 x 256 output tiles of dx for the dx kernel. Elsewhere
-(consumer GPUs with ~100 KB per block, fp32) they are chosen by shared memory and not
-measured. The tests compile every kernel ahead of time for sm_86 and sm_90 (no GPU needed)
+the fastest sizes of bench/tiles.py's first sweep on an H200: 128 x 128 logit tiles with
+4 pipeline stages for the statistics kernel, 64 x 256 output tiles of dx for the dx
+kernel. Elsewhere (consumer GPUs with ~100 KB per block, fp32) they are chosen by shared
+memory and not measured. The tests compile every kernel ahead of time for sm_86 and sm_90 (no GPU needed)
 and check that they use tensor-core MMAs and fit in shared memory.
 
 Under TRITON_INTERPRET=1 (CPU tests) the interpreter cannot multiply bfloat16 tiles (it
@@ -269,8 +269,8 @@ def tile_config(shared_memory_bytes: int, dtype: torch.dtype) -> dict:
     """Tile sizes and launch settings for a GPU with this much shared memory per block.
 
     Keys without a prefix are the statistics (and logit-gradient) kernel's; dx_* are the dx
-    kernel's. The bf16 sizes for GPUs with >= 160 KB (Hopper, A100) are the fastest that
-    bench/tiles.py found on an H200 (README, "Fused log-probs"); the others are unmeasured.
+    kernel's. The bf16 sizes for GPUs with >= 160 KB (Hopper, A100) are the fastest of
+    bench/tiles.py's first sweep on an H200 (README, "Fused log-probs"); the others are unmeasured.
     """
     # A pipeline stage of the statistics kernel holds a [block_n, block_h] tile of hidden
     # and a [block_v, block_h] tile of W: 32 KB at 128 x 128 x 64 in bf16, so 4 stages need
