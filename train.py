@@ -40,10 +40,11 @@ def parse_args(argv=None):
     p.add_argument("--methods", help="toy: comma-separated arms (default: all). Choices: "
                    "base,single,vs,ensemble,cotrain,population,oracle")
     p.add_argument("--ablations", help="toy: comma-separated Co-Training variants run with seed 0 "
-                   "(default: cotrain:adversarial,cotrain:anchor,cotrain:group,population:anchor; "
+                   "(default: cotrain:adversarial,cotrain:anchor,population:anchor; "
                    "none when --methods is given; 'none' for none). Variants after the colon: "
                    "adversarial|cooperative|curriculum (simulator reward), anchor (realism anchor: "
-                   "BC on real transcripts), group (group-wise simulator baseline), joined by '+'")
+                   "BC on real transcripts), group|batch (simulator baseline; default group-wise, "
+                   "batch-wide for curriculum, which group refuses), joined by '+'")
     p.add_argument("--seeds", help="toy: comma-separated seeds (default: 0,1,2)")
     p.add_argument("--steps", type=int, help="policy updates per arm")
     p.add_argument("--workers", type=int, help="toy: arms trained in parallel processes, one CPU "

@@ -52,7 +52,7 @@ class ToyConfig:
     methods: tuple = TOY_METHODS          # "base" = the untrained policy, evaluated only
     seeds: tuple = (0, 1, 2)
     # Co-Training variants (see Toy.method), run for `ablation_seeds` only
-    ablations: tuple = ("cotrain:adversarial", "cotrain:anchor", "cotrain:group", "population:anchor")
+    ablations: tuple = ("cotrain:adversarial", "cotrain:anchor", "population:anchor")
     ablation_seeds: tuple = (0,)
     steps: int = 50                       # policy updates per arm
     groups: int = 8                       # rollout groups per step (tasks = personas, cycled)
@@ -66,7 +66,7 @@ class ToyConfig:
     beta: float = 0.04                    # KL to the untrained policy: keeps utterances well-formed
     epochs: int = 2
     sim_reward: str = "curriculum"
-    sim_baseline: str = "batch"
+    sim_baseline: str = "auto"            # group-wise, batch-wide for curriculum (methods.resolve_sim_baseline)
     pool_size: int = 5
     pool_every: int = 4
     vs_k: int = 5
@@ -170,12 +170,12 @@ class Toy:
 
     def method(self, name: str, seed: int) -> Method:
         """Build an arm. Variants after a colon tweak the simulator objective, e.g.
-        "cotrain:adversarial", "population:anchor", "cotrain:group" (group-wise baseline)."""
+        "cotrain:adversarial", "population:anchor", "cotrain:adversarial+batch" (batch baseline)."""
         c = self.cfg
         name, _, variant = name.partition(":")
         tweaks = set(filter(None, variant.split("+")))
         sim_reward = next((t for t in tweaks if t in ("adversarial", "cooperative", "curriculum")), c.sim_reward)
-        sim_baseline = "group" if "group" in tweaks else c.sim_baseline
+        sim_baseline = next((t for t in tweaks if t in ("group", "batch")), c.sim_baseline)
         pcfg = UpdateConfig(lr=c.policy_lr, eps_low=c.eps_low, eps_high=c.eps_high, beta=c.beta,
                             epochs=c.epochs, temperature=c.temperature, weight_decay=0.0)
         scfg = UpdateConfig(lr=c.sim_lr, eps_low=c.eps_low, eps_high=c.eps_high, epochs=c.epochs,

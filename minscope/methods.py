@@ -2,7 +2,7 @@
 
     single               RL against one frozen simulator            (the collapse baseline)
     vs                   ... with Verbalized Sampling of that simulator   (fix 1)
-    ensemble             K frozen simulators rotated across groups
+    ensemble             K frozen simulators rotated across groups and rollouts
     persona              a frozen simulator + a persona drawn per group
     cotrain              the simulator is a trained adapter too           (fix 2)
     population           ... and groups draw from a FIFO pool of its snapshots
@@ -41,7 +41,8 @@ class Method:
     policy_cfg: UpdateConfig
     sim_opt: torch.optim.Optimizer | None = None
     sim_cfg: UpdateConfig | None = None
-    sim_baseline: str = "batch"       # how simulator advantages are normalised: batch | group
+    sim_baseline: str = "auto"        # how simulator advantages are normalised: auto | group | batch
+                                      # (see resolve_sim_baseline)
     # Realism anchor: a function returning a batch (ids, attention, mask) of real-user
     # transcripts; the simulator also takes an SFT step on it, weighted by `anchor_weight`,
     # so that becoming informative for the policy does not cost it its realism.
@@ -57,15 +58,19 @@ def build_method(name: str, policy: LMSpeaker, frozen: list, policy_cfg: UpdateC
                  sim_cfg: UpdateConfig | None = None, sim_model=None, sim_tokenizer=None,
                  sim_reward: str = "adversarial", personas=None, vs_k: int = 5,
                  vs_mode: str = "weighted", pool_size: int = 5, pool_every: int = 4,
-                 oracle=None, seed: int = 0, sim_baseline: str = "batch") -> Method:
+                 oracle=None, seed: int = 0, sim_baseline: str = "auto") -> Method:
     """Assemble a method from parts.
 
     frozen: simulators (Frozen speakers); `single`/`vs`/`persona` use frozen[0], `ensemble`
     uses all of them. `cotrain`/`population` train adapter "simulator" on `sim_model` (which
-    must carry that adapter), sampled at frozen[0]'s temperature.
+    must carry that adapter), sampled at frozen[0]'s temperature. `sim_baseline`: how the
+    trained simulator's advantages are normalised (see `sim_baseline`; checked here, so that
+    a configuration that cannot train the simulator fails before any rollout).
     """
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
+    if name in ("cotrain", "population"):
+        resolve_sim_baseline(sim_reward, sim_baseline)
     opt = make_optimizer(policy.model, policy.adapter, policy_cfg)
     m = Method(name, policy, None, opt, policy_cfg, sim_baseline=sim_baseline)
     base = frozen[0] if frozen else None
@@ -74,7 +79,7 @@ def build_method(name: str, policy: LMSpeaker, frozen: list, policy_cfg: UpdateC
     elif name == "vs":
         m.partner = Verbalized(base, k=vs_k, mode=vs_mode, seed=seed)
     elif name == "ensemble":
-        m.partner = Ensemble(frozen)
+        m.partner = Ensemble(frozen, seed=seed)
     elif name == "persona":
         m.partner = PersonaGuided(base.model, base.tokenizer, personas or [], base.adapter,
                                   base.temperature, base.max_new_tokens, seed=seed)
@@ -101,11 +106,40 @@ def build_method(name: str, policy: LMSpeaker, frozen: list, policy_cfg: UpdateC
     return m
 
 
-def _normalise(x: torch.Tensor, group_size: int, how: str) -> torch.Tensor:
-    if how == "group":
-        return group_advantages(x, group_size)[0]
-    std = x.std(unbiased=False)
-    return torch.zeros_like(x) if std < 1e-6 else (x - x.mean()) / std
+SIM_BASELINES = ("auto", "group", "batch")
+
+
+def resolve_sim_baseline(reward: str, baseline: str = "auto") -> str:
+    """How the simulator's advantages are normalised for simulator reward `reward`.
+
+    group: z-scored within each rollout group (the same task), like the policy's. With the
+           adversarial reward this gives exactly -A_policy: the simulator is credited for
+           making *this* task fail more often than its other rollouts, not for how hard the
+           task is (a batch-wide baseline would reward it for being handed hard tasks).
+    batch: z-scored over the whole batch. The curriculum reward is one value per group, so
+           its group-wise advantages are all 0: it needs the batch baseline.
+    auto:  group for adversarial / cooperative / shared, batch for curriculum.
+
+    Curriculum with "group" is refused: the simulator would never receive a signal.
+    """
+    if baseline not in SIM_BASELINES:
+        raise ValueError(f"unknown simulator baseline {baseline!r}; use {', '.join(SIM_BASELINES)}")
+    if baseline == "auto":
+        return "batch" if reward == "curriculum" else "group"
+    if baseline == "group" and reward == "curriculum":
+        raise ValueError("the curriculum simulator reward is constant within each rollout group, so a "
+                         "group-wise baseline gives it zero advantages and the simulator never learns; "
+                         "use the batch baseline (the default, 'auto') or another simulator reward")
+    return baseline
+
+
+def simulator_advantages(sim_rewards: torch.Tensor, group_size: int, reward: str,
+                         baseline: str = "auto") -> torch.Tensor:
+    """Advantages of the trained simulator's episodes (see `resolve_sim_baseline`)."""
+    if resolve_sim_baseline(reward, baseline) == "group":
+        return group_advantages(sim_rewards, group_size)[0]
+    std = sim_rewards.std(unbiased=False)
+    return torch.zeros_like(sim_rewards) if std < 1e-6 else (sim_rewards - sim_rewards.mean()) / std
 
 
 def anchor_step(m: Method) -> float:
@@ -143,17 +177,19 @@ def train_step(method: Method, env, tasks, group_size: int, step: int) -> dict:
     metrics = {"step": step, "train_reward": rewards.mean().item(),
                "zero_var_frac": zero_var.float().mean().item(), "policy_entropy": p["entropy"],
                "clip_frac": p["clip_frac"], "kl": p["kl"], "policy_loss": p["loss"],
-               "grad_norm": p["grad_norm"]}
+               "grad_norm": p["grad_norm"], "skipped_steps": p["skipped_steps"],   # non-finite updates
+               "score_errors": sum("score_error" in ep.info for ep in episodes)}   # scored 0 (rollout)
     if m.name == "selfplay":   # the policy also learns from the turns it played as partner
-        grpo_update(m.policy.model, m.policy.adapter, m.policy_opt, episodes, "partner", adv,
-                    m.policy_cfg, pad)
+        metrics["skipped_steps"] += grpo_update(m.policy.model, m.policy.adapter, m.policy_opt, episodes,
+                                                "partner", adv, m.policy_cfg, pad)["skipped_steps"]
     if m.trains_simulator:
         sim_r = simulator_rewards(rewards, group_size, m.partner.reward)
-        sim_adv = _normalise(sim_r, group_size, m.sim_baseline)
+        sim_adv = simulator_advantages(sim_r, group_size, m.partner.reward, m.sim_baseline)
         s = grpo_update(m.partner.model, m.partner.trainable_adapter, m.sim_opt, episodes, "partner",
                         sim_adv, m.sim_cfg, m.partner.tokenizer.pad_token_id)
         metrics.update(sim_reward=sim_r.mean().item(), sim_entropy=s["entropy"], sim_clip_frac=s["clip_frac"],
                        sim_grad_norm=s["grad_norm"])
+        metrics["skipped_steps"] += s["skipped_steps"]
         if m.anchor is not None:
             metrics["sim_anchor_nll"] = anchor_step(m)
     if isinstance(m.partner, Population):

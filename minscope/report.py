@@ -200,8 +200,9 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
         lines += ["## Co-Training ablation", "",
                   f"Variants of the simulator objective (seeds {', '.join(map(str, seeds))}; same settings otherwise): "
                   "`adversarial` / `cooperative` / `curriculum` = the simulator's reward; `anchor` = realism anchor "
-                  "(behaviour cloning on real-user transcripts, weight 0.5); `group` = group-wise instead of "
-                  "batch-wise baseline for the simulator's advantages. Compare with the Co-Training rows above.", ""]
+                  "(behaviour cloning on real-user transcripts, weight 0.5); `group` / `batch` = the baseline of the "
+                  "simulator's advantages (default: group-wise, batch-wide for the curriculum reward). Compare with "
+                  "the Co-Training rows above.", ""]
         lines += header + [row(r) for r in ablations.values()] + [""]
     meters = {m: r["collapse_meter"] for m, r in results["methods"].items() if "collapse_meter" in r}
     if meters:

@@ -6,7 +6,7 @@ which simulator serves each episode. The rollout engine and the trainer only see
 
     Frozen           one fixed LM (+ adapter + prompt)                 RL (Single)
     Verbalized       a frozen LM asked for k replies with probabilities; one is drawn
-    Ensemble         K frozen simulators rotated across rollout groups
+    Ensemble         K frozen simulators rotated across groups and rollouts
     PersonaGuided    a frozen LM conditioned on a persona drawn per rollout
     Trainable        a LoRA adapter trained on its own turns            Co-Training
     Population       a FIFO pool of the trainable adapter's snapshots  Population Co-Training
@@ -88,14 +88,26 @@ class Verbalized:
 
 
 class Ensemble:
-    """K frozen simulators rotated cyclically across rollout groups."""
+    """K frozen simulators rotated across rollout groups and across rollouts.
 
-    def __init__(self, members: list, name: str = "ensemble"):
-        self.members, self.name = members, name
+    Each rollout (one `assign` call) draws an offset o from `rng`; group g is served by
+    member (o + g) mod K. Within a rollout the members share the groups as evenly as
+    possible; across rollouts every group slot meets every member, so a task that sits in
+    the same slot at every step (the toy cycles its personas that way) still meets all K
+    simulators. A fixed `g mod K` would pin such a task to one simulator for the whole run.
+    `rng` is saved with the run's state and put back after evaluations, like the draws of
+    the other speakers, so resumed runs and evaluations do not change the rotation.
+    """
+
+    def __init__(self, members: list, name: str = "ensemble", seed: int = 0):
+        if not members:
+            raise ValueError("an Ensemble needs at least one simulator")
+        self.members, self.name, self.rng = members, name, random.Random(seed)
 
     def assign(self, episodes):
+        offset = self.rng.randrange(len(self.members))
         for ep in episodes:
-            ep.partner_name = self.members[ep.group % len(self.members)].name
+            ep.partner_name = self.members[(offset + ep.group) % len(self.members)].name
 
     def respond(self, episodes, env):
         out: list[Turn | None] = [None] * len(episodes)

@@ -69,7 +69,107 @@ def test_ensemble_rotates_members_across_groups(parts):
     ens = Ensemble(parts[1])
     eps = [Episode(task=None, group=g) for g in range(7) for _ in range(2)]
     ens.assign(eps)
-    assert [e.partner_name for e in eps[::2]] == ["sim0", "sim1", "sim2", "sim0", "sim1", "sim2", "sim0"]
+    names = [e.partner_name for e in eps[::2]]
+    first = names[0]
+    cycle = ["sim0", "sim1", "sim2"] * 3
+    start = cycle.index(first)
+    assert names == cycle[start:start + 7]                       # consecutive groups, consecutive members
+    assert all(eps[i].partner_name == eps[i + 1].partner_name for i in range(0, 14, 2))   # one per group
+
+
+def test_ensemble_rotates_members_across_rollouts_so_every_task_meets_every_member(parts):
+    """The toy batch puts each persona in the same group slots at every step (8 groups, 4
+    personas cycled): a pinned `group % K` would keep some personas away from a member."""
+    ens = Ensemble(parts[1])
+    met = {task: set() for task in range(4)}
+    for step in range(30):
+        eps = [Episode(task=g % 4, group=g) for g in range(8) for _ in range(2)]
+        ens.assign(eps)
+        for ep in eps:
+            met[ep.task].add(ep.partner_name)
+    assert all(names == {"sim0", "sim1", "sim2"} for names in met.values()), met
+
+
+def test_ensemble_rotation_is_kept_by_evaluations_and_saved_state(parts, tokenizer):
+    import copy
+
+    from minscope.evaluate import isolated_rng
+    from minscope.experiment import arm_state, load_arm_state
+
+    policy, frozen, _ = parts
+    cfg = UpdateConfig(lr=1e-3)
+
+    def draws(ens, n=12):
+        out = []
+        for _ in range(n):
+            eps = [Episode(task=None, group=0)]
+            ens.assign(eps)
+            out.append(eps[0].partner_name)
+        return out
+
+    m = build_method("ensemble", policy, frozen, cfg, seed=3)
+    state = arm_state(m, 0, {})
+    expected = draws(m.partner)
+    assert len(set(expected)) > 1                                 # the rotation moves between rollouts
+    # a resumed run (state read back from disk: a copy) rotates the same way
+    load_arm_state(m, copy.deepcopy(state))
+    assert draws(m.partner) == expected
+    load_arm_state(m, copy.deepcopy(state))
+    with isolated_rng(7, m.partner):                              # an evaluation in between ...
+        draws(m.partner, 5)
+    assert draws(m.partner) == expected                           # ... does not move training's rotation
+
+
+def test_simulator_advantages_follow_the_simulator_reward():
+    """Adversarial / cooperative / shared: z-scored within the group, so the adversarial
+    simulator's advantages are exactly minus the policy's. Curriculum (one value per group):
+    batch-wide; a group-wise curriculum baseline is refused (its advantages are all 0)."""
+    from minscope.grpo import group_advantages, simulator_rewards
+    from minscope.methods import resolve_sim_baseline, simulator_advantages
+
+    torch.manual_seed(0)
+    # groups of different difficulty: a batch-wide baseline would also pay for that
+    r = torch.cat([torch.bernoulli(torch.full((8,), p)) for p in (0.2, 0.5, 0.8, 0.9)])
+    policy_adv = group_advantages(r, 8)[0]
+    adv = simulator_advantages(simulator_rewards(r, 8, "adversarial"), 8, "adversarial")
+    torch.testing.assert_close(adv, -policy_adv)
+    torch.testing.assert_close(simulator_advantages(simulator_rewards(r, 8, "cooperative"), 8, "cooperative"),
+                               policy_adv)
+    torch.testing.assert_close(simulator_advantages(simulator_rewards(r, 8, "shared"), 8, "shared"), policy_adv)
+    cur = simulator_advantages(simulator_rewards(r, 8, "curriculum"), 8, "curriculum")
+    assert cur.abs().sum() > 0 and torch.allclose(cur.view(4, 8), cur.view(4, 8)[:, :1].expand(4, 8))
+    assert resolve_sim_baseline("adversarial", "batch") == "batch"      # the ablation stays available
+    with pytest.raises(ValueError, match="zero advantages"):
+        resolve_sim_baseline("curriculum", "group")
+
+
+def test_cotraining_with_a_zero_signal_simulator_objective_is_refused(parts, tokenizer):
+    policy, frozen, sim_model = parts
+    with pytest.raises(ValueError, match="curriculum"):
+        build_method("cotrain", policy, frozen, UpdateConfig(), UpdateConfig(), sim_model=sim_model,
+                     sim_tokenizer=tokenizer, sim_reward="curriculum", sim_baseline="group")
+
+
+def test_cotraining_adversarial_simulator_trains_on_minus_the_policy_advantages(parts, tokenizer, monkeypatch):
+    """What train_step hands the simulator's update with the default baseline."""
+    import minscope.methods as methods
+    from minscope.grpo import group_advantages
+
+    policy, frozen, sim_model = parts
+    env = WordGame()
+    env.score = lambda ep: (float(len(ep.turns[-1].text) % 2), {})
+    m = build_method("cotrain", policy, frozen, UpdateConfig(lr=1e-3), UpdateConfig(lr=1e-3),
+                     sim_model=sim_model, sim_tokenizer=tokenizer, sim_reward="adversarial")
+    seen = []
+    real_update = methods.grpo_update
+    monkeypatch.setattr(methods, "grpo_update",
+                        lambda *a, **k: seen.append((a[5].clone(), a[3])) or real_update(*a, **k))
+    torch.manual_seed(5)
+    metrics = train_step(m, env, env.tasks()[:4], 4, step=0)
+    rewards = torch.tensor([ep.reward for ep in metrics["_episodes"]])
+    (policy_adv, _), (sim_adv, _) = seen[0], seen[-1]
+    torch.testing.assert_close(policy_adv, group_advantages(rewards, 4)[0])
+    torch.testing.assert_close(sim_adv, -policy_adv)
 
 
 def test_persona_guided_draws_one_persona_per_group_into_the_prompt(parts, tokenizer):
