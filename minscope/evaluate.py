@@ -4,21 +4,29 @@ collapse meter.
 The paper evaluates every 16 steps at temperature 0 against a panel of simulators (some
 seen in training, some never seen) and keeps the checkpoint with the best panel mean.
 
-The collapse meter estimates the two parts of the within-task reward variance (the
-paper's Eq. 6, by the law of total variance):
+The collapse meter splits the within-task reward variance into its two sources (the
+paper's Eq. 6, the law of total variance with the agent's turns A as the condition):
 
-    Var(R) = E_agent[ Var_sim(R | agent turns) ]  +  E_sim[ Var_agent(R | simulator turns) ] + ...
-             └──── simulator-side ────┘             └──── agent-side ────┘
+    Var(R) = E_A[ Var_sim(R | A) ]  +  Var_A( E_sim[R | A] )
+             └─ simulator-side ─┘     └─── agent-side ───┘
 
-We estimate each part by *replaying* one side's sampled turns verbatim and resampling only
-the other side: a mode-collapsed simulator gives near-zero simulator-side variance. We also
-estimate the simulator's per-turn mode probability: how often repeated samples at the same
-visited history give the same reply. (Replaying is open-loop: the fixed side does not react
-to the resampled side. That is the standard way to isolate one source of randomness. Where
-the reward is read off the simulator's words — the toy and P4G, whose reward is the donation
-the persuadee states — replaying the simulator fixes the reward, so the agent-side term is 0
-by construction there; it is informative where the reward depends on the agent's actions,
-as in tau2-bench.)
+For each task we sample `n_ref` reference episodes (draws of A), and for each of them we
+*replay* the agent's turns verbatim and resample the simulator `n_resample` times, which
+gives a matrix of rewards R[ref, resample]. The simulator-side part is the mean over
+references of each row's variance; the agent-side part is the variance, over references,
+of the row means, less the part of it that is resampling noise (row variance /
+n_resample), i.e. the unbiased between/within split of a one-way random-effects model.
+Both are computed per task and averaged over tasks; every variance is the unbiased one
+(ddof = 1), so the two parts add up, in expectation, to the within-task variance of the
+reference episodes (`total_var`). The agent-side estimate can come out slightly below
+zero when the true part is about 0. A mode-collapsed simulator gives near-zero
+simulator-side variance. (Replaying is open-loop: the replayed agent does not react to the
+resampled simulator. That is the standard way to isolate one source of randomness.)
+
+We also estimate the simulator's per-turn mode probability: how often repeated samples at
+the same visited history give the same reply. Every resample and repeat is served by the
+simulator that served the reference episode (its ensemble member, pool snapshot or
+persona), so an ensemble or a population is measured member by member.
 """
 
 from __future__ import annotations
@@ -132,12 +140,47 @@ class Replay:
         return out
 
 
-def _replayed(env, refs, fixed_role, fresh, n_resample):
-    """Rewards [len(refs), n_resample]: `fixed_role` replayed verbatim, `fresh` resampled."""
-    replay = Replay(fixed_role, [[t for t in ep.turns if t.role == fixed_role] for ep in refs])
-    agent, partner = (replay, fresh) if fixed_role == "agent" else (fresh, replay)
-    eps = rollout(env, [ep.task for ep in refs], agent, partner, n_resample)
+class _Pinned:
+    """`partner` serving each episode of group g as it served reference episode g: the same
+    ensemble member / pool snapshot (`partner_name`) and persona. Without it, `rollout`
+    would let the partner draw afresh (and an Ensemble would rotate to another member)."""
+
+    def __init__(self, partner, refs):
+        self.partner, self.refs = partner, refs
+        self.name = getattr(partner, "name", "partner")
+
+    def assign(self, episodes):
+        for ep in episodes:
+            _serve_as(ep, self.refs[ep.group])
+
+    def respond(self, episodes, env):
+        return self.partner.respond(episodes, env)
+
+
+def _serve_as(ep: Episode, ref: Episode):
+    ep.partner_name = ref.partner_name
+    if "persona" in ref.info:
+        ep.info["persona"] = ref.info["persona"]
+
+
+def _replayed(env, refs, partner, n_resample):
+    """Rewards [len(refs), n_resample]: the agent's turns of each reference replayed
+    verbatim, the simulator that served it resampled."""
+    replay = Replay("agent", [[t for t in ep.turns if t.role == "agent"] for ep in refs])
+    eps = rollout(env, [ep.task for ep in refs], replay, _Pinned(partner, refs), n_resample)
     return np.array([e.reward for e in eps]).reshape(len(refs), n_resample)
+
+
+def variance_parts(rewards) -> tuple[float, float]:
+    """(simulator-side, agent-side) variance of one task from R [n_ref, n_resample]: the
+    rows share the agent's turns, the columns resample the simulator (see module docstring)."""
+    r = np.asarray(rewards, dtype=float)
+    n_ref, n_resample = r.shape
+    if n_ref < 2 or n_resample < 2:
+        raise ValueError(f"the collapse meter needs n_ref >= 2 and n_resample >= 2, got {n_ref} and {n_resample}")
+    sim_side = r.var(axis=1, ddof=1).mean()
+    agent_side = r.mean(axis=1).var(ddof=1) - sim_side / n_resample
+    return float(sim_side), float(agent_side)
 
 
 def collapse_meter(env, policy, partner, tasks, n_ref: int = 2, n_resample: int = 4,
@@ -145,14 +188,14 @@ def collapse_meter(env, policy, partner, tasks, n_ref: int = 2, n_resample: int 
     """Simulator-side vs agent-side reward variance, and the simulator's mode probability.
 
     For each task: `n_ref` reference episodes; for each, replay the agent's turns and
-    resample the simulator `n_resample` times (-> simulator-side variance), and replay the
-    simulator's turns and resample the agent (-> agent-side variance). Mode probability:
-    at each visited history before a simulator turn, sample the simulator `n_mode` times and
-    take the share of the most common reply.
+    resample the simulator `n_resample` times; the parts come from that matrix
+    (`variance_parts`), per task, averaged over tasks. Mode probability: at each visited
+    history before a simulator turn, sample the simulator `n_mode` times (the member that
+    served the episode) and take the share of the most common reply.
     """
     refs = rollout(env, tasks, policy, partner, n_ref)
-    sim_var = _replayed(env, refs, "agent", partner, n_resample).var(axis=1).mean()
-    agent_var = _replayed(env, refs, "partner", policy, n_resample).var(axis=1).mean()
+    rewards = _replayed(env, refs, partner, n_resample).reshape(len(tasks), n_ref, n_resample)
+    parts = np.array([variance_parts(r) for r in rewards])                # [tasks, 2]
     # mode probability at visited histories
     shares = []
     for ep in refs:
@@ -160,11 +203,11 @@ def collapse_meter(env, policy, partner, tasks, n_ref: int = 2, n_resample: int 
             if turn.role != "partner":
                 continue
             copies = [Episode(task=ep.task, group=0, turns=list(ep.turns[:j])) for _ in range(n_mode)]
-            if hasattr(partner, "assign"):
-                partner.assign(copies)
+            for copy_ in copies:
+                _serve_as(copy_, ep)
             replies = [t.text.strip() for t in partner.respond(copies, env)]
             shares.append(Counter(replies).most_common(1)[0][1] / n_mode)
-    return {"sim_side_var": float(sim_var), "agent_side_var": float(agent_var),
+    return {"sim_side_var": float(parts[:, 0].mean()), "agent_side_var": float(parts[:, 1].mean()),
             "mode_prob": float(np.mean(shares)) if shares else float("nan"),
             # the within-task variance of the reference episodes: what the two parts split
-            "total_var": float(np.array([e.reward for e in refs]).reshape(len(tasks), n_ref).var(axis=1).mean())}
+            "total_var": float(np.array([e.reward for e in refs]).reshape(len(tasks), n_ref).var(axis=1, ddof=1).mean())}
