@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .chat import chat_format, strip_reasoning
 from .envs.base import Episode, Turn
 from .models import model_device, use_adapter
 
@@ -108,33 +109,60 @@ def view_messages(env, episode: Episode, role: str) -> list[dict]:
 
 @dataclass
 class Stream:
-    """What one party was fed and sampled in one episode (see module docstring)."""
+    """What one party was fed and sampled in one episode (see module docstring).
+
+    While `exact` is True, `ids` only ever grows by appending: each turn appends the
+    chat-template text of the messages that are new to this party (`chat.ChatFormat.delta`)
+    and then the tokens it sampled. If the conversation this party sees was rewritten (the
+    messages already in the stream are no longer a prefix of its view, e.g. Verbalized
+    Sampling shows the drawn reply instead of what was sampled), or the template cannot be
+    rendered turn by turn, the stream restarts from the full prompt and `exact` becomes
+    False: such a stream is never trained on.
+    """
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)      # 1 = sampled by this party
     logp: list[float] = field(default_factory=list)    # sampling log-prob (0 where mask 0)
     text: str = ""                                      # the text that `ids` spell
     exact: bool = True                                  # False once the history was rewritten
+    messages: list = field(default_factory=list)        # the view's messages already in `ids`
+    sampled_end: str = ""                               # end-of-turn text the last sampled turn ended with
 
-    def extend_prompt(self, tokenizer, rendered: str):
-        """Append the ids of the chat-template text that follows what we already have."""
-        if rendered.startswith(self.text):
-            delta = rendered[len(self.text):]
+    def extend_prompt(self, chat, messages: list[dict], tools=None):
+        """Append the template text of the messages in `messages` (this party's whole view)
+        that the stream does not hold yet, and the generation prompt. `chat` is the party's
+        `chat.ChatFormat`."""
+        n = len(self.messages)
+        new = messages[n:]
+        if not self.ids:                                 # the first turn: the whole prompt
+            delta = chat.render(messages, tools)
+        elif (messages[:n] == self.messages and chat.incremental
+              and all(m["role"] != "assistant" for m in new)):
+            delta = chat.delta(new, tools, self.sampled_end)
         else:
-            # The history was rewritten (e.g. Verbalized Sampling shows only the drawn
-            # reply, or a template drops old content): restart from the full prompt.
-            # Such a stream is not used for training (`exact` is False).
-            self.ids, self.mask, self.logp, delta, self.exact = [], [], [], rendered, False
-        new = tokenizer(delta, add_special_tokens=False)["input_ids"] if delta else []
-        self.ids += new
-        self.mask += [0] * len(new)
-        self.logp += [0.0] * len(new)
-        self.text = rendered
+            # The history was rewritten, or the template cannot be rendered turn by turn:
+            # restart from the full prompt (not used for training: `exact` is False).
+            self.ids, self.mask, self.logp, self.text, self.exact = [], [], [], "", False
+            delta = chat.render(messages, tools)
+        ids = chat.tokenizer(delta, add_special_tokens=False)["input_ids"] if delta else []
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logp += [0.0] * len(ids)
+        self.text += delta
+        self.messages = [dict(m) for m in messages]
+        self.sampled_end = ""
 
-    def extend_sampled(self, ids: list[int], logp: list[float], text: str):
+    def extend_sampled(self, ids: list[int], logp: list[float], text: str, shown: str | None = None,
+                       end: str = ""):
+        """Append a sampled turn. `shown`: the turn's text as it enters the conversation
+        (what this party's view will hold as its own message); `end`: the text of the
+        end-of-turn token the turn ended with ('' when it stopped at the length cap)."""
         self.ids += ids
         self.mask += [1] * len(ids)
         self.logp += logp
         self.text += text
+        if shown is not None:
+            self.messages.append({"role": "assistant", "content": shown})
+        self.sampled_end = end
 
 
 def eos_token_ids(tokenizer, model=None) -> set[int]:
@@ -157,11 +185,16 @@ class LMSpeaker:
              generated in one batch (peft mixed-adapter batches).
     temperature: sampling temperature. An "aligned", mode-collapsed simulator is modelled
              by gamma-sharpening the logits, i.e. temperature = 1 / gamma.
+    thinking: let a thinking chat template (Qwen3) think; False (the default) renders with
+             `enable_thinking=False`. The other party never sees the reasoning.
     """
 
     def __init__(self, model, tokenizer, role: str, adapter=None, temperature: float = 1.0,
-                 max_new_tokens: int = 64, name: str | None = None, system_suffix: str = ""):
+                 max_new_tokens: int = 64, name: str | None = None, system_suffix: str = "",
+                 thinking: bool = False):
         self.model, self.tokenizer, self.role = model, tokenizer, role
+        self.thinking = thinking
+        self.chat = chat_format(tokenizer, thinking)
         self.adapter, self.temperature, self.max_new_tokens = adapter, temperature, max_new_tokens
         self.name = name or (adapter if isinstance(adapter, str) else role)
         self.system_suffix = system_suffix  # str or episode -> str, appended to the system message
@@ -170,7 +203,8 @@ class LMSpeaker:
     def adapter_of(self, episode):
         return self.adapter(episode) if callable(self.adapter) else self.adapter
 
-    def render(self, env, episode) -> str:
+    def messages_for(self, env, episode) -> tuple[list[dict], list | None]:
+        """This party's view of the conversation (with its system suffix), and its tools."""
         messages = view_messages(env, episode, self.role)
         suffix = self.system_suffix(episode) if callable(self.system_suffix) else self.system_suffix
         if suffix:
@@ -179,8 +213,11 @@ class LMSpeaker:
             else:
                 messages.insert(0, {"role": "system", "content": suffix})
         tools = env.agent_tools(episode.task) if self.role == "agent" else None
-        kwargs = {"tools": tools} if tools else {}
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        return messages, tools
+
+    def render(self, env, episode) -> str:
+        """The whole prompt of this party's next turn, rendered in one go."""
+        return self.chat.render(*self.messages_for(env, episode))
 
     def generate(self, episodes: list[Episode], env):
         """Sample one turn for each episode; returns (texts, ids, logps). Updates streams."""
@@ -188,7 +225,7 @@ class LMSpeaker:
         streams = []
         for ep in episodes:
             stream = ep.info.setdefault("streams", {}).setdefault(key, Stream())
-            stream.extend_prompt(self.tokenizer, self.render(env, ep))
+            stream.extend_prompt(self.chat, *self.messages_for(env, ep))
             streams.append(stream)
         names = [self.adapter_of(ep) for ep in episodes]
         kwargs = dict(pad_id=self.tokenizer.pad_token_id, eos_ids=self.eos,
@@ -205,8 +242,10 @@ class LMSpeaker:
             # The turn's text is decoded exactly as the template will show it later, so the
             # next prompt extends this stream instead of re-tokenizing it.
             text = self.tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=False)
-            stream.extend_sampled(gen, lp, text + (self.tokenizer.decode(gen[-1:]) if ended else ""))
-            texts.append(text)
+            end = self.tokenizer.decode(gen[-1:]) if ended else ""
+            shown = strip_reasoning(text)      # the other party never sees the reasoning
+            stream.extend_sampled(gen, lp, text + end, shown=shown, end=end)
+            texts.append(shown)
         return texts, ids, logps
 
     def respond(self, episodes: list[Episode], env) -> list[Turn]:
