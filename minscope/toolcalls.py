@@ -20,6 +20,11 @@ What is tolerated, because models really write it:
   - Python-literal dicts (single quotes, True/False/None).
 What is not guessed: a block whose content is not a JSON object with a string `name`.
 Text outside blocks is the message part of the turn (`ParsedTurn.content`).
+
+Any text parses without an exception and in time linear in its length: a number longer
+than Python's int limit (4,300 digits) is an invalid call, and a Python literal is only
+evaluated when the block is at most MAX_LITERAL_CHARS long (evaluating one costs about
+500 bytes of memory per character; longer blocks must be JSON).
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ from __future__ import annotations
 import ast
 import json
 import re
+import warnings
 from dataclasses import dataclass, field
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
+MAX_LITERAL_CHARS = 20_000   # longest block read as a Python literal (a real call is < 1 KB)
 FORMAT_HINT = ('Write each call as <tool_call>{"name": "<tool name>", '
                '"arguments": {<JSON object>}}</tool_call>.')
 
@@ -70,14 +77,17 @@ def parse_tool_calls(text: str) -> ParsedTurn:
     """Split `text` into its message part and its tool calls (never raises)."""
     outside, blocks = [], []
     pos = 0
-    while True:
+    close = text.find(CLOSE_TAG)     # the next close tag; searched again only once passed,
+    while True:                      # so that many open tags without one stay linear
         start = text.find(OPEN_TAG, pos)
         if start < 0:
             outside.append(text[pos:])
             break
         outside.append(text[pos:start])
         body_start = start + len(OPEN_TAG)
-        end = text.find(CLOSE_TAG, body_start)
+        if 0 <= close < body_start:
+            close = text.find(CLOSE_TAG, body_start)
+        end = close
         # A new <tool_call> before any </tool_call> means the close tag was forgotten.
         next_open = text.find(OPEN_TAG, body_start)
         if end < 0 or (0 <= next_open < end):
@@ -118,24 +128,41 @@ def _decode(body: str):
     then a Python literal. Returns (value, None) or (None, reason)."""
     try:
         return json.loads(body), None
-    except json.JSONDecodeError as e:
-        reason = f"{e.msg} at position {e.pos}"
+    except ValueError as e:              # JSONDecodeError, or a number over the int digit limit
+        reason = _json_problem(e)
     except RecursionError:               # thousands of nested brackets: a degenerate output
         return None, "nested too deeply"
     first = min((i for i in (body.find("{"), body.find("[")) if i >= 0), default=-1)
     if first >= 0:
         try:
-            value, _ = json.JSONDecoder().raw_decode(body[first:])
+            value, _ = json.JSONDecoder().raw_decode(body, first)
             return value, None
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             pass
+    if len(body) > MAX_LITERAL_CHARS:
+        return None, f"{reason}; the call is too long to read as a Python literal"
+    value = _python_literal(body)
+    return (value, None) if isinstance(value, (dict, list)) else (None, reason)
+
+
+def _json_problem(error: ValueError) -> str:
+    """What json.loads disliked, worded for the model."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"{error.msg} at position {error.pos}"
+    return "a number has too many digits"
+
+
+def _python_literal(body: str):
+    """The Python literal `body` spells, as plain JSON values (tuples become lists), or None.
+    Sets, bytes, complex numbers and anything else JSON cannot hold give None, so the
+    arguments an environment receives are always JSON."""
     try:
-        value = ast.literal_eval(body)
-        if isinstance(value, (dict, list)):
-            return value, None
+        with warnings.catch_warnings():      # e.g. SyntaxWarning for "1x": not worth a line on stderr
+            warnings.simplefilter("ignore")
+            value = ast.literal_eval(body)
+        return json.loads(json.dumps(value))
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        pass
-    return None, reason
+        return None
 
 
 def _to_call(item, raw: str):
@@ -150,9 +177,9 @@ def _to_call(item, raw: str):
     if isinstance(args, str):                           # OpenAI wire format: a JSON string
         try:
             args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as e:
+        except ValueError as e:            # JSONDecodeError, or a number over the digit limit
             return ToolCallError(raw, f'Error: "arguments" of {name} is not valid JSON '
-                                      f"({e.msg}). {FORMAT_HINT}")
+                                      f"({_json_problem(e)}). {FORMAT_HINT}")
         except RecursionError:
             return ToolCallError(raw, f'Error: "arguments" of {name} are nested too deeply. {FORMAT_HINT}')
     if args is None:

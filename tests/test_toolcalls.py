@@ -1,11 +1,13 @@
 """Tolerant parsing of Qwen3/Hermes-style <tool_call> blocks (minscope.toolcalls)."""
 
 import json
+import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import minscope.toolcalls
 from minscope.toolcalls import (ParsedTurn, ToolCall, ToolCallError, format_tool_call,
                                 has_tool_call, parse_tool_calls)
 
@@ -14,6 +16,12 @@ def only_call(text) -> ToolCall:
     parsed = parse_tool_calls(text)
     assert len(parsed.calls) == 1
     assert isinstance(parsed.calls[0], ToolCall), parsed.calls[0]
+    return parsed.calls[0]
+
+
+def only_entry(text):
+    parsed = parse_tool_calls(text)
+    assert len(parsed.calls) == 1
     return parsed.calls[0]
 
 
@@ -152,3 +160,80 @@ def test_parsing_never_raises(pieces):
 def test_deeply_nested_output_is_an_error_not_a_crash(body):
     parsed = parse_tool_calls(f"<tool_call>{body}</tool_call>")
     assert len(parsed.calls) == 1 and isinstance(parsed.calls[0], ToolCallError)
+
+
+# ------------------------------------------------------------------ hostile and huge outputs
+
+def test_a_number_over_pythons_digit_limit_is_an_error_not_a_crash():
+    # Python refuses to turn more than 4,300 digits into an int (a ValueError, not a
+    # JSONDecodeError), in the block and in "arguments" given as a JSON string
+    assert isinstance(only_entry("<tool_call>" + "1" * 5000), ToolCallError)
+    block = json.dumps({"name": "f", "arguments": '{"n": ' + "7" * 5000 + "}"})
+    assert isinstance(only_entry(f"<tool_call>{block}</tool_call>"), ToolCallError)
+
+
+def test_python_literal_arguments_are_plain_json_values():
+    # a tuple or a set is not a JSON value: tuples become lists, a set is an error
+    assert only_call("<tool_call>{'name': 'f', 'arguments': {'ids': (1, 2)}}</tool_call>") == \
+        ToolCall("f", {"ids": [1, 2]})
+    assert isinstance(only_entry("<tool_call>{'name': 'f', 'arguments': {'ids': {1, 2}}}</tool_call>"),
+                      ToolCallError)
+
+
+def test_a_python_literal_longer_than_the_cap_is_not_evaluated():
+    call = "{'name': 'f', 'arguments': {}}, "
+    short = "<tool_call>[" + call * 3 + "]</tool_call>"
+    assert [c.name for c in parse_tool_calls(short).calls] == ["f"] * 3
+    cap = getattr(minscope.toolcalls, "MAX_LITERAL_CHARS", 100_000)
+    long = "<tool_call>[" + call * (cap // len(call) + 1) + "]</tool_call>"
+    (error,) = parse_tool_calls(long).calls
+    assert isinstance(error, ToolCallError) and "too long" in error.message
+
+
+def seconds(fn, *args):
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>" * 40_000,                          # no close tag: each block used to rescan the text
+    "<tool_call>" + "[" * 100_000,
+    '<tool_call>{"name": "' + "a" * 400_000,
+], ids=["open-tags", "brackets", "string"])
+def test_long_hostile_outputs_parse_in_linear_time(text):
+    assert seconds(parse_tool_calls, text) < 1.0
+
+
+def assert_well_formed(parsed, text):
+    assert isinstance(parsed, ParsedTurn) and isinstance(parsed.content, str)
+    assert len(parsed.calls) >= text.count("<tool_call>")   # one entry (at least) per block
+    for call in parsed.calls:
+        if isinstance(call, ToolCall):
+            assert isinstance(call.name, str) and call.name == call.name.strip() and call.name
+            assert isinstance(call.arguments, dict)
+            json.dumps(call.arguments)                      # plain JSON the environment can take
+        else:
+            assert isinstance(call, ToolCallError) and call.message.startswith("Error:")
+
+
+PIECES = ["<tool_call>", "</tool_call>", "{", "}", '"name"', ":", '"f"', ",", '"arguments"', "[", "]",
+          "```", "'", "(", ")", "True", "None", "1" * 60, "x", " ", "\n", "\\", "\u017f", "\x00"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.sampled_from(PIECES) | st.text(max_size=4), max_size=40))
+def test_any_output_parses_to_well_formed_calls(pieces):
+    text = "".join(pieces)
+    assert_well_formed(parse_tool_calls(text), text)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), min_size=1, max_size=6))
+def test_long_repeated_output_parses_fast_and_well_formed(pieces):
+    unit = "".join(pieces)
+    text = unit * (100_000 // len(unit) + 1)        # about 100 KB
+    start = time.perf_counter()
+    parsed = parse_tool_calls(text)
+    assert time.perf_counter() - start < 2.0
+    assert_well_formed(parsed, text)
