@@ -26,6 +26,7 @@ import torch
 
 from .chat import chat_format, strip_reasoning
 from .envs.base import Episode, Turn
+from .kvcache import KVCache, party_cache, session
 from .models import model_device, use_adapter
 
 
@@ -40,55 +41,119 @@ def _cache_kwarg(model) -> str:
 
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_new_tokens: int,
-           temperature: float = 1.0, adapter_names: list[str] | None = None):
-    """Sample continuations of many prompts in one batch (left padding + KV cache).
+           temperature: float = 1.0, adapter_names: list[str] | None = None,
+           cache: KVCache | None = None, owners: list | None = None, check_every: int = 4):
+    """Sample continuations of many prompts in one batch.
 
     temperature 0 means greedy. Returns (token ids, log-probs) per prompt; each list stops
     after the first EOS or at `max_new_tokens`. Log-probs are under the sampling
     distribution softmax(logits / temperature) (the greedy token's under temperature 1).
+
+    cache/owners: a party's `KVCache` kept across its turns, and the conversation each
+    prompt belongs to. Only the part of a prompt that is not already cached is fed (the
+    suffix since the party's last turn); without a cache every prompt is fed whole.
+    `cache.last_prefilled` says how many ids of each prompt were fed.
+
+    Tokens stay on the device; every `check_every` tokens the finished flags are copied to
+    the host once, rows that hit EOS leave the decode batch and the loop ends when all did.
     """
     device = model_device(model)
     model.eval()          # generation is inference (and peft's per-row adapters require it)
-    B, T = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, T), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, T - len(p):] = torch.tensor(p)
-        attention[i, T - len(p):] = 1
-    input_ids, attention = input_ids.to(device), attention.to(device)
-    position = (attention.cumsum(-1) - 1).clamp(min=0)                  # [B, T]
-    extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
+    cache = KVCache() if cache is None else cache
+    owners = [object() for _ in prompts] if owners is None else owners
+    B = len(prompts)
+    reused = cache.prepare(owners, prompts, device)
+    cache.last_prefilled = [len(p) - k for p, k in zip(prompts, reused)]
+    run = _Forward(model, cache, adapter_names)
 
-    out_ids = [[] for _ in range(B)]
-    out_logp = [[] for _ in range(B)]
+    # prefill: each row's new suffix, left-padded; positions continue from its cached ids
+    S = max(cache.last_prefilled)
+    input_ids = torch.full((B, S), pad_id, dtype=torch.long)
+    real = torch.zeros((B, S), dtype=torch.bool)
+    position = torch.zeros((B, S), dtype=torch.long)
+    for i, (p, k) in enumerate(zip(prompts, reused)):
+        n = len(p) - k
+        input_ids[i, S - n:] = torch.tensor(p[k:])
+        real[i, S - n:] = True
+        position[i, S - n:] = torch.arange(k, len(p))
+    logits = run(input_ids.to(device), real.to(device), position.to(device))
+
+    out_ids = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=device)
+    out_logp = torch.zeros((B, max_new_tokens), device=device)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+    row = torch.arange(B, device=device)              # the prompt of each row being decoded
+    next_pos = torch.tensor([len(p) for p in prompts], device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
-    eos = torch.tensor(sorted(eos_ids), device=device)
-    cache = None
-    cache_kw = _cache_kwarg(model)
-    step_ids, step_pos = input_ids, position
-    for _ in range(max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos,
-                    use_cache=True, logits_to_keep=1, **{cache_kw: cache}, **extra)
-        cache = getattr(out, "cache", None) or out.past_key_values
-        logits = out.logits[:, -1].float()                               # [B, V]
+    steps = 0
+    for t in range(max_new_tokens):
         if temperature > 0:
             logprobs = torch.log_softmax(logits / temperature, dim=-1)
-            token = torch.multinomial(logprobs.exp(), 1).squeeze(1)      # [B]
+            token = torch.multinomial(logprobs.exp(), 1).squeeze(1)      # [b]
         else:
             logprobs = torch.log_softmax(logits, dim=-1)
             token = logprobs.argmax(-1)
-        token_logp = logprobs.gather(1, token[:, None]).squeeze(1)
-        ids_now, logp_now = token.tolist(), token_logp.tolist()          # one copy, not B
-        for i in torch.nonzero(~finished).flatten().tolist():
-            out_ids[i].append(ids_now[i])
-            out_logp[i].append(logp_now[i])
+        out_ids[row, t] = token
+        out_logp[row, t] = logprobs.gather(1, token[:, None]).squeeze(1)
         finished |= torch.isin(token, eos)
-        if finished.all():
-            break
-        step_ids = token[:, None]
-        step_pos = step_pos[:, -1:] + 1
-        attention = torch.cat([attention, torch.ones((B, 1), dtype=attention.dtype, device=device)], 1)
-    return out_ids, out_logp
+        steps = t + 1
+        if steps == max_new_tokens:
+            break                              # the last token is not fed: nothing follows it
+        if steps % check_every == 0:
+            done = finished.tolist()           # the one device->host copy of these steps
+            if all(done):
+                break
+            if any(done):                      # finished rows leave the decode batch
+                keep = [i for i, d in enumerate(done) if not d]
+                run.keep_rows(keep, [i for i, d in enumerate(done) if d])
+                index = torch.tensor(keep, device=device)
+                row, token, next_pos, finished = row[index], token[index], next_pos[index], finished[index]
+        # A row that just sampled EOS is still fed until the next check; that position is
+        # masked out (a hole), so the cache keeps exactly the ids before each row's last token.
+        logits = run(token[:, None], ~finished[:, None], next_pos[:, None])
+        next_pos = next_pos + (~finished).long()
+
+    ids_all, logp_all = out_ids[:, :steps].tolist(), out_logp[:, :steps].tolist()   # one copy per turn
+    result_ids, result_logp = [], []
+    for i in range(B):
+        ids = ids_all[i]
+        end = next((j + 1 for j, x in enumerate(ids) if x in eos_ids), len(ids))
+        result_ids.append(ids[:end])
+        result_logp.append(logp_all[i][:end])
+    cache.record(owners, [p + g[:-1] for p, g in zip(prompts, result_ids)])
+    return result_ids, result_logp
+
+
+class _Forward:
+    """One forward of the cache's front rows over `s` new positions; returns last logits."""
+
+    def __init__(self, model, cache: KVCache, adapter_names):
+        self.model, self.cache, self.names = model, cache, adapter_names
+        self.cache_kw = _cache_kwarg(model)
+        impl = getattr(model.config, "_attn_implementation", "sdpa")
+        if impl not in ("sdpa", "eager"):
+            raise ValueError(f"sampling with a kept KV cache needs sdpa or eager attention, not {impl!r} "
+                             "(load the model with attn_implementation='sdpa')")
+        self.additive = impl == "eager"
+        self.dtype = model.get_input_embeddings().weight.dtype
+
+    def keep_rows(self, keep: list[int], leave: list[int]):
+        """Rows `keep` (positions in the decode batch) stay in front; rows `leave` move back."""
+        c = self.cache
+        c.reorder(keep + leave + list(range(c.front, c.rows)))
+        c.front = len(keep)
+        if self.names is not None:
+            self.names = [self.names[i] for i in keep]
+
+    def __call__(self, input_ids, real, position):
+        c, s = self.cache, input_ids.shape[1]
+        c.reserve(s, input_ids.device)
+        c.mask[:c.front, c.width:c.width + s] = real
+        mask = c.attention_mask(s, self.dtype, self.additive)
+        extra = {"adapter_names": self.names} if self.names is not None else {}
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position,
+                         use_cache=True, logits_to_keep=1, **{self.cache_kw: c}, **extra)
+        c.advance(s)
+        return out.logits[:, -1].float()
 
 
 # --------------------------------------------------------------------------- views
@@ -189,6 +254,8 @@ class LMSpeaker:
              `enable_thinking=False`. The other party never sees the reasoning.
     """
 
+    reuse_cache = True     # keep the KV cache between turns (False: re-feed the whole stream)
+
     def __init__(self, model, tokenizer, role: str, adapter=None, temperature: float = 1.0,
                  max_new_tokens: int = 64, name: str | None = None, system_suffix: str = "",
                  thinking: bool = False):
@@ -227,15 +294,7 @@ class LMSpeaker:
             stream = ep.info.setdefault("streams", {}).setdefault(key, Stream())
             stream.extend_prompt(self.chat, *self.messages_for(env, ep))
             streams.append(stream)
-        names = [self.adapter_of(ep) for ep in episodes]
-        kwargs = dict(pad_id=self.tokenizer.pad_token_id, eos_ids=self.eos,
-                      max_new_tokens=self.max_new_tokens, temperature=self.temperature)
-        prompts = [s.ids for s in streams]
-        if len(set(names)) == 1:
-            with use_adapter(self.model, names[0]):
-                ids, logps = sample(self.model, prompts, **kwargs)
-        else:   # a population: one batch, one adapter per row ("__base__" = no adapter)
-            ids, logps = sample(self.model, prompts, adapter_names=[n or "__base__" for n in names], **kwargs)
+        ids, logps = self._sample(episodes, [s.ids for s in streams])
         texts = []
         for stream, gen, lp in zip(streams, ids, logps):
             ended = bool(gen) and gen[-1] in self.eos
@@ -247,6 +306,27 @@ class LMSpeaker:
             stream.extend_sampled(gen, lp, text + end, shown=shown, end=end)
             texts.append(shown)
         return texts, ids, logps
+
+    def _sample(self, episodes: list[Episode], prompts: list[list[int]]):
+        """One turn of every episode in one batch. Inside a rollout the speaker keeps its KV
+        cache between its turns and feeds only each stream's new suffix (`reuse_cache`);
+        ep.info["tokens"][role] counts the ids fed ("prefilled") and sampled ("generated")."""
+        cache = party_cache(self) if self.reuse_cache else KVCache()
+        cache.discard(lambda ep: ep.done)           # ended episodes leave the cache
+        names = [self.adapter_of(ep) for ep in episodes]
+        kwargs = dict(pad_id=self.tokenizer.pad_token_id, eos_ids=self.eos, cache=cache, owners=episodes,
+                      max_new_tokens=self.max_new_tokens, temperature=self.temperature)
+        if len(set(names)) == 1:
+            with use_adapter(self.model, names[0]):
+                ids, logps = sample(self.model, prompts, **kwargs)
+        else:   # a population: one batch, one adapter per row ("__base__" = no adapter);
+            # a row's adapter is fixed for its episode, so its cached keys/values stay valid
+            ids, logps = sample(self.model, prompts, adapter_names=[n or "__base__" for n in names], **kwargs)
+        for ep, fed, gen in zip(episodes, cache.last_prefilled, ids):
+            count = ep.info.setdefault("tokens", {}).setdefault(self.role, {"prefilled": 0, "generated": 0})
+            count["prefilled"] += fed
+            count["generated"] += len(gen)
+        return ids, logps
 
     def respond(self, episodes: list[Episode], env) -> list[Turn]:
         texts, ids, _ = self.generate(episodes, env)
@@ -270,19 +350,20 @@ def rollout(env, tasks, agent, partner, group_size: int = 1) -> list[Episode]:
     speaker_of = {"agent": agent, "partner": partner}
     nxt = {id(ep): env.first_speaker(ep.task) for ep in episodes}
     live = list(episodes)
-    while live:
-        for role in ("agent", "partner"):
-            batch = [ep for ep in live if nxt[id(ep)] == role]
-            if not batch:
-                continue
-            for ep, turn in zip(batch, speaker_of[role].respond(batch, env)):
-                ep.turns.append(turn)
-                step = env.after_turn(ep)
-                ep.turns.extend(step.inject)
-                nxt[id(ep)] = step.next_speaker
-                if step.next_speaker is None:
-                    ep.done = True
-        live = [ep for ep in live if not ep.done]
+    with session():       # each LM speaker keeps its KV cache for this rollout only
+        while live:
+            for role in ("agent", "partner"):
+                batch = [ep for ep in live if nxt[id(ep)] == role]
+                if not batch:
+                    continue
+                for ep, turn in zip(batch, speaker_of[role].respond(batch, env)):
+                    ep.turns.append(turn)
+                    step = env.after_turn(ep)
+                    ep.turns.extend(step.inject)
+                    nxt[id(ep)] = step.next_speaker
+                    if step.next_speaker is None:
+                        ep.done = True
+            live = [ep for ep in live if not ep.done]
     for ep in episodes:
         ep.reward, info = env.score(ep)
         ep.info.update(info)
