@@ -7,6 +7,8 @@ trajectories, group-relative baseline, PPO-style clipping, optional KL to a refe
     r_t      = exp(logp_t - old_logp_t)            per-token importance ratio
     surr_t   = min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)
     kl_t     = exp(ref_t - logp_t) - (ref_t - logp_t) - 1        (the "k3" estimator, >= 0)
+               (ratio and kl_t are set to 1 and 0 on untrained tokens *before* the exp:
+               exp of an untrained token's log-ratio can be inf, and 0 * inf = NaN)
     loss     = aggregate_t( -surr_t + beta * kl_t )
 
 Every token the policy generated in trajectory i gets the same A_i; tokens said by the
@@ -38,21 +40,32 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6):
 
 
 def token_loss(logp, old_logp, ref_logp, advantages, eps_low: float = 0.2,
-               eps_high: float = 0.28, beta: float = 0.0):
+               eps_high: float = 0.28, beta: float = 0.0, mask=None):
     """Per-token GRPO loss (before aggregation). All arguments broadcast to the same shape.
 
-    `ref_logp` may be None when beta == 0. Returns (loss, ratio, clipped) per token.
+    `ref_logp` may be None when beta == 0. `mask` (optional, nonzero = a trained token):
+    the KL term is 0 wherever it is 0. Pass it whenever some positions are not trained
+    (prompt, the other party's turns, padding): their log-probs can be anything, and
+    exp(ref - logp) overflows to inf past ~88, which the aggregation weight 0 would turn
+    into 0 * inf = NaN in the loss and in every gradient. Returns (loss, ratio, clipped).
     """
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp(kl_log_ratio(logp, old_logp, mask))      # (1 where not trained)
     clipped_ratio = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     surr = torch.minimum(ratio * advantages, clipped_ratio * advantages)
     loss = -surr
     if beta:
-        d = ref_logp - logp
+        d = kl_log_ratio(ref_logp, logp, mask)
         loss = loss + beta * (torch.exp(d) - d - 1.0)
     # A token is "clipped" when the clipped branch is the one the min picked (no gradient).
     clipped = (clipped_ratio * advantages < ratio * advantages)
     return loss, ratio, clipped
+
+
+def kl_log_ratio(a, b, mask=None):
+    """a - b (a log-ratio: ref_logp - logp for the KL, logp - old_logp for the ratio), set
+    to 0 outside `mask` *before* any exponential: untrained positions stay finite."""
+    d = a - b
+    return d if mask is None else torch.where(mask != 0, d, torch.zeros_like(d))
 
 
 def aggregation_weights(mask: torch.Tensor, aggregation: str = "token", max_len: int | None = None):
@@ -86,19 +99,21 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, eps_low: float = 0.2,
     `aggregation_weights` to `logprobs.fused_grpo_token_loss` (a test checks they agree).
     """
     adv = advantages.float().unsqueeze(1).expand_as(logp)           # [B, T]
-    per_token, ratio, clipped = token_loss(logp, old_logp, ref_logp, adv, eps_low, eps_high, beta)
+    per_token, ratio, clipped = token_loss(logp, old_logp, ref_logp, adv, eps_low, eps_high, beta, mask)
     w = aggregation_weights(mask, aggregation, max_len)
     loss = (w * per_token).sum()
 
     m = mask.bool()
     n = m.sum().clamp_min(1)
     with torch.no_grad():
+        if ref_logp is not None:
+            d = kl_log_ratio(ref_logp, logp, mask)
+            k3 = torch.exp(d) - d - 1
         stats = {
             "clip_frac": (clipped & m).sum().item() / n.item(),
             "ratio_mean": ratio[m].mean().item() if m.any() else 1.0,
             # k3 estimate of KL(policy || ref) per token; 0 when no reference given
-            "kl": ((torch.exp(ref_logp - logp) - (ref_logp - logp) - 1)[m].mean().item()
-                   if ref_logp is not None and m.any() else 0.0),
+            "kl": (k3[m].mean().item() if ref_logp is not None and m.any() else 0.0),
         }
         if entropy is not None:
             stats["entropy"] = entropy[m].mean().item() if m.any() else 0.0

@@ -310,7 +310,9 @@ def _grpo_dloss_dlogp(logp, old_logp, ref_logp, advantages, token_weights, eps_l
     """(sum(w * token_loss), d/dlogp of it [C]) by autograd on the [C] vector of log-probs."""
     with torch.enable_grad():
         lp = logp.detach().requires_grad_(True)
-        per_token, _, _ = grpo.token_loss(lp, old_logp, ref_logp, advantages, eps_low, eps_high, beta)
+        # token_weights carry the mask: no KL (no exp) where a token is not trained
+        per_token, _, _ = grpo.token_loss(lp, old_logp, ref_logp, advantages, eps_low, eps_high, beta,
+                                          mask=token_weights)
         loss = (token_weights * per_token).sum()
         (dlogp,) = torch.autograd.grad(loss, lp)
     return loss.detach(), dlogp

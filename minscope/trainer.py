@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .grpo import aggregation_weights, token_loss
+from .grpo import aggregation_weights, kl_log_ratio, token_loss
 from .logprobs import fused_grpo_token_loss, token_logprobs
 from .models import final_hidden_states, output_embedding, trainable_parameters, use_adapter
 from .rollout import training_batch
@@ -101,7 +101,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
             sums["clip_frac"] += (clipped & m).sum().item() / n_tok.item() / cfg.epochs
             sums["entropy"] += (ent * mask[sl]).sum().item() / n_tok.item() / cfg.epochs
             if ref is not None:
-                d = ref[sl] - logp.detach()
+                d = kl_log_ratio(ref[sl], logp.detach(), mask[sl])   # no exp where untrained
                 sums["kl"] += ((d.exp() - d - 1) * mask[sl]).sum().item() / n_tok.item() / cfg.epochs
         sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) / cfg.epochs
         optimizer.step()

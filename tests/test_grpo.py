@@ -48,6 +48,23 @@ def test_kl_term_is_k3_estimator():
     assert loss.item() == pytest.approx(0.1 * (math.exp(d) - d - 1))
 
 
+def test_kl_at_untrained_positions_cannot_make_the_loss_nan():
+    """A prompt or padding position (mask 0) may hold any log-probs: ref - logp = 200 there
+    must not reach the exponential (exp(200) = inf, and inf * weight 0 = NaN)."""
+    logp = torch.tensor([[-1.0, -250.0, -0.5]], requires_grad=True)
+    ref = torch.tensor([[-1.2, -50.0, -0.4]])                  # ref - logp = 200 at position 1
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    loss, stats = grpo_loss(logp, logp.detach(), ref, torch.ones(1), mask, beta=0.1)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and math.isfinite(stats["kl"])
+    assert logp.grad[0, 1] == 0.0
+    # the trained positions keep their KL term: the same loss as without the untrained one
+    keep = [0, 2]
+    alone, _ = grpo_loss(logp.detach()[:, keep], logp.detach()[:, keep], ref[:, keep], torch.ones(1),
+                         mask[:, keep], beta=0.1)
+    assert loss.item() == pytest.approx(alone.item())
+
+
 def test_token_aggregation_is_mean_over_all_masked_tokens():
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
     w = aggregation_weights(mask, "token")

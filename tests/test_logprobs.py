@@ -219,6 +219,25 @@ def test_fused_grpo_without_reference_needs_beta_zero():
     assert torch.isfinite(loss)
 
 
+def test_fused_grpo_kl_at_untrained_positions_keeps_loss_and_gradients_finite():
+    """ref_logp - logp = 200 at a position with weight 0 (prompt, other party, padding)."""
+    hidden, weight, targets, old_logp, ref_logp, advantages, token_weights = fused_setup(n=16)
+    untrained = token_weights == 0
+    assert untrained.any()
+    with torch.no_grad():
+        logp = reference_logprobs(hidden, weight, targets)
+    ref_logp = torch.where(untrained, logp + 200.0, ref_logp)
+    loss, _, _ = fused_grpo_token_loss(hidden, weight, targets, old_logp, ref_logp, advantages, token_weights,
+                                       beta=0.1, chunk_size=4, backend="torch")
+    (grad,) = torch.autograd.grad(loss, hidden)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert (grad[untrained] == 0).all()
+    # the trained positions' loss is untouched: the same as with a harmless reference there
+    calm, _, _ = fused_grpo_token_loss(hidden, weight, targets, old_logp, torch.where(untrained, logp, ref_logp),
+                                       advantages, token_weights, beta=0.1, chunk_size=4, backend="torch")
+    torch.testing.assert_close(loss, calm)
+
+
 def test_unknown_backend_raises_with_the_choices():
     hidden, weight, targets = make_inputs(4, 8, 20)
     with pytest.raises(ValueError, match="auto.*torch.*triton"):

@@ -386,3 +386,28 @@ def test_collapse_meter_resamples_the_member_that_served_each_episode():
     collapse_meter(env, Coin("agent", 0), partner, env.tasks(), n_ref=3, n_resample=4, n_mode=3)
     members = {task: {name for t, name in partner.served if t == task} for task in env.tasks()}
     assert all(len(names) == 1 for names in members.values()), members
+
+
+def test_grpo_update_kl_statistic_ignores_untrained_positions(tokenizer, monkeypatch):
+    """A reference log-prob 200 above the policy's where nothing is trained (the prompt, the
+    other party's turns) must leave the loss, the gradient and the logged KL finite."""
+    import minscope.trainer as trainer
+    from minscope.models import trainable_parameters
+
+    torch.manual_seed(0)
+    model = add_adapters(build_tiny_model(tokenizer, "qwen3", hidden_size=32), ["policy"], init_lora_weights=False)
+    speaker = LMSpeaker(model, tokenizer, "agent", adapter="policy", max_new_tokens=3)
+    episodes = rollout(WordGame(), ["river", "cloud"], speaker, Asker(), group_size=2)
+    real = trainer.sequence_logprobs
+    untrained = trainer.training_batch(episodes, "agent", tokenizer.pad_token_id).loss_mask == 0
+
+    def far_reference(model, ids, attn, temperature, adapter):   # one micro-batch: every row
+        lp = real(model, ids, attn, temperature, adapter)
+        return torch.where(untrained, lp + 200.0, lp)
+
+    monkeypatch.setattr(trainer, "sequence_logprobs", far_reference)
+    opt = torch.optim.SGD(trainable_parameters(model, "policy"), lr=0.1)
+    stats = trainer.grpo_update(model, "policy", opt, episodes, "agent", torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                                UpdateConfig(beta=0.1, grad_clip=1e9), tokenizer.pad_token_id)
+    assert all(np.isfinite(stats[k]) for k in ("loss", "kl", "grad_norm")), stats
+    assert all(torch.isfinite(p).all() for p in trainable_parameters(model, "policy"))
