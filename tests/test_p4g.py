@@ -6,9 +6,12 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from minscope.envs.base import Episode, Turn
 from minscope.envs.p4g import P4GEnv, episode_donation, is_donation_ask, parse_donation
@@ -315,3 +318,55 @@ def test_score_without_a_stated_donation_is_zero():
 
 def test_simulator_reward_defaults_to_adversarial():
     assert P4GEnv(CSV).default_simulator_reward == "adversarial"
+
+
+# ------------------------------------------------------------ parser on hostile and huge text
+
+@pytest.mark.parametrize("text, amount", [
+    ("I will give \u017fix cents", 0.06),      # long s: matches "s" case-insensitively
+    ("I will give f\u0130ve cents", 0.05),     # dotted capital I
+    ("I will give n\u0131ne cents", 0.09),     # dotless i
+    ("I will give \u017fEVENTY \u017fIX cents", 0.76),
+])
+def test_letters_that_case_fold_to_ascii_read_as_the_number_word(text, amount):
+    assert parse_donation(text) == pytest.approx(amount)
+
+
+def parse_seconds(text):
+    start = time.perf_counter()
+    parse_donation(text)
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize("text", [
+    "I will give " + "1" * 4000,                # a number could start at every digit
+    "I will give " + "$1 " * 3000,              # every amount checked against every other
+    "[donate" + " " * 600 + "x",                # three adjacent \s* in the tag pattern
+    "can't give $1 " * 2000,                    # every amount checked against every negation
+    "I will give " + "of my $2 " * 2000,        # the "of my" look-back rescanned the sentence
+], ids=["digits", "amounts", "tag-spaces", "negations", "base-refs"])
+def test_long_hostile_text_parses_in_linear_time(text):
+    assert parse_seconds(text) < 1.0
+
+
+DONATION_PIECES = ["I'll give ", "donate ", "$", "1", "0.5", " ", ".", "?", "\n", "cents", "dollars",
+                   "can't ", "not ", "of my ", "[DONATE ", "[give:", "]", "six", "twenty", "half a ",
+                   "all of it", "keep it", "\u017f", "\u0130", "\u0131", "\u2019", "\u0663", "9" * 40]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(DONATION_PIECES) | st.text(max_size=4), max_size=30))
+def test_any_text_gives_none_or_an_amount_in_range(pieces):
+    amount = parse_donation("".join(pieces))
+    assert amount is None or (isinstance(amount, float) and 0.0 <= amount <= 2.0)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(DONATION_PIECES), min_size=1, max_size=6))
+def test_long_repeated_text_parses_fast(pieces):
+    unit = "".join(pieces)
+    text = unit * (50_000 // len(unit) + 1)       # about 50 KB
+    start = time.perf_counter()
+    amount = parse_donation(text)
+    assert time.perf_counter() - start < 2.0
+    assert amount is None or 0.0 <= amount <= 2.0

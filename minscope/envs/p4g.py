@@ -21,6 +21,7 @@ Choices made here:
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass
 
@@ -47,9 +48,14 @@ MAX_DONATION = 2.0
 #     partial object ("I won't donate", not "I can't give more") or "I'd rather keep it"
 #     is a refusal, i.e. $0;
 #   - "0.50 cents" means fifty cents (nobody pledges part of a cent).
+#
+# Any text parses without an exception in time linear in its length: a number never starts
+# inside a run of digits and its digits are matched possessively (no backtracking into
+# them), the tag's whitespace is possessive too, and the checks of each amount against the
+# others, the negations and the "of my" look-back touch only the text near the amount.
 
-_NUM = r"(\d+(?:\.\d+)?|\.\d+)"
-_TAG = re.compile(r"\[\s*(?:donate|give)\s*:?\s*\$?\s*" + _NUM + r"(\s*cents?)?", re.I)
+_NUM = r"(?<!\d)(\d++(?:\.\d++)?+|\.\d++)"
+_TAG = re.compile(r"\[\s*+(?:donate|give)\s*+:?\s*+\$?\s*+" + _NUM + r"(\s*cents?)?", re.I)
 _SMALL = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7,
           "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "fifteen": 15,
           "twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60,
@@ -66,9 +72,15 @@ def _cents(number: str) -> float:
     return float(number) if "." in number and float(number) < 1 else float(number) / 100
 
 
+# Non-ASCII letters that re.IGNORECASE matches to ASCII ones (the complete list): a number
+# word may be spelled with them ("ſix"), and must still be found in _SMALL.
+_CASE_FOLDS = {"\u017f": "s", "\u0130": "i", "\u0131": "i", "\u212a": "k"}
+
+
 def _word_number(words: str) -> float:
     """"twenty five" / "twenty-five" / "ten" -> 25 / 25 / 10."""
-    return float(sum(_SMALL[w] for w in re.split(r"[\s-]+", words.lower())))
+    ascii_words = "".join(_CASE_FOLDS.get(c, c) for c in words).lower()
+    return float(sum(_SMALL[w] for w in re.split(r"[\s-]+", ascii_words)))
 
 
 def _rx(*parts: str) -> re.Pattern:
@@ -123,6 +135,24 @@ def _clamp(x: float) -> float:
     return min(max(x, 0.0), MAX_DONATION)
 
 
+_BASE_LOOK_BACK = 64      # characters before an amount searched for "of my" (bounds the work)
+_OBJECT_REACH = 30        # an amount this close after a negation/"keep" is its object
+_CLAUSE_BREAK = re.compile(r"[,;]|\b(?:but|and)\b")
+
+
+def _is_object_of(sentence: str, pos: int, blockers: list, ends: list[int]) -> bool:
+    """Whether the amount at `pos` is the object of one of `blockers` (matches of one
+    pattern, so disjoint and in order; `ends` their end positions): it starts at most
+    _OBJECT_REACH characters after the blocker, with no clause break in between. Only the
+    few blockers that end near `pos` are looked at."""
+    i = bisect.bisect_left(ends, pos - _OBJECT_REACH)
+    while i < len(blockers) and blockers[i].start() <= pos:
+        if not _CLAUSE_BREAK.search(sentence[blockers[i].end():pos]):
+            return True
+        i += 1
+    return False
+
+
 def _statement_events(sentence: str) -> list[tuple[int, float]]:
     """(position, amount) of every gift or refusal stated in one sentence."""
     events = []
@@ -133,19 +163,19 @@ def _statement_events(sentence: str) -> list[tuple[int, float]]:
     refusals = list(_REFUSAL.finditer(sentence))
     events += [(m.start(), 0.0) for m in refusals]
     if _INTENT.search(sentence):
-        taken: list[tuple[int, int]] = []
+        blockers = [(b, [m.end() for m in b]) for b in (negations, refusals)]
+        taken = bytearray(len(sentence))    # 1 where an earlier pattern already read an amount
         for pattern, value in _AMOUNTS:
             for m in pattern.finditer(sentence):
-                if any(m.start() < b and a < m.end() for a, b in taken):
+                start, end = m.span()
+                if 1 in taken[start:end]:
                     continue
-                taken.append((m.start(), m.end()))
-                if _BASE_REF.search(sentence[:m.start()]):
+                taken[start:end] = b"\x01" * (end - start)
+                if _BASE_REF.search(sentence, max(0, start - _BASE_LOOK_BACK), start):
                     continue          # "$1 of my $2": the $2 is the base, not a gift
-                if any(n.start() <= m.start() and m.start() - n.end() <= 30
-                       and not re.search(r"[,;]|\b(?:but|and)\b", sentence[n.end():m.start()])
-                       for n in negations + refusals):
+                if any(_is_object_of(sentence, start, b, ends) for b, ends in blockers):
                     continue          # "I can't give $2", "keep my full $2": not a gift
-                events.append((m.start(), value(m)))
+                events.append((start, value(m)))
     return sorted(events)
 
 
