@@ -6,8 +6,10 @@
     persona              a frozen simulator + a persona drawn per group
     cotrain              the simulator is a trained adapter too           (fix 2)
     population           ... and groups draw from a FIFO pool of its snapshots
-    selfplay             the policy plays both roles (symmetric tasks)
-    population-selfplay  the partner is drawn from the policy's recent snapshots
+    selfplay             the policy plays both roles; one update on both roles' tokens
+                         (the partner's with the opponent's reward 1 - r on asymmetric tasks)
+    population-selfplay  the partner is drawn from the policy's recent snapshots (the policy
+                         learns from its own, agent, turns: the partner's are the snapshots')
     oracle               train directly on a scripted "real user" partner (toy only)
 
 `train_step` is the whole algorithm: roll out groups against the method's simulator(s),
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .envs.base import Episode
 from .grpo import group_advantages, simulator_rewards
 from .rollout import LMSpeaker, rollout
 from .simulators import Ensemble, PersonaGuided, Population, Trainable, Verbalized
@@ -163,6 +166,31 @@ def anchor_step(m: Method) -> float:
     return loss.item()
 
 
+def selfplay_partner_advantages(rewards: torch.Tensor, group_size: int, env) -> torch.Tensor:
+    """Advantages of the turns the policy played as the partner in self-play.
+
+    On a symmetric task both players share the task reward. On an asymmetric one (P4G's
+    persuadee, tau2's user) the partner's interest is the opposite of the agent's: its
+    reward is the opponent's, 1 - r, normalised within the group like every reward (which
+    makes it -A wherever the group's rewards differ).
+    """
+    shared = getattr(env, "symmetric", False)
+    return group_advantages(rewards if shared else 1.0 - rewards.float(), group_size)[0]
+
+
+def partner_turns_as_agent(episodes: list[Episode]) -> list[Episode]:
+    """Stand-ins for `episodes` whose "agent" stream is the partner's stream, so that the
+    self-play policy's partner tokens join its agent tokens in ONE `grpo_update` (one
+    optimiser step, like every other method). An episode without a partner stream gets a
+    stand-in without streams, which `training_batch` leaves out."""
+    out = []
+    for ep in episodes:
+        streams = ep.info.get("streams", {})
+        out.append(Episode(task=ep.task, group=ep.group, reward=ep.reward,
+                           info={"streams": {"agent": streams["partner"]} if "partner" in streams else {}}))
+    return out
+
+
 def train_step(method: Method, env, tasks, group_size: int, step: int) -> dict:
     """One step of any method. Returns a flat dict of metrics for metrics.jsonl."""
     m = method
@@ -172,16 +200,17 @@ def train_step(method: Method, env, tasks, group_size: int, step: int) -> dict:
     episodes = rollout(env, tasks, m.policy, m.partner, group_size)
     rewards = torch.tensor([ep.reward for ep in episodes])
     adv, zero_var = group_advantages(rewards, group_size)
-    p = grpo_update(m.policy.model, m.policy.adapter, m.policy_opt, episodes, "agent", adv,
+    train_eps, train_adv = episodes, adv
+    if m.name == "selfplay":   # the policy played both roles: one update on both roles' tokens
+        train_eps = episodes + partner_turns_as_agent(episodes)
+        train_adv = torch.cat([adv, selfplay_partner_advantages(rewards, group_size, env)])
+    p = grpo_update(m.policy.model, m.policy.adapter, m.policy_opt, train_eps, "agent", train_adv,
                     m.policy_cfg, pad)
     metrics = {"step": step, "train_reward": rewards.mean().item(),
                "zero_var_frac": zero_var.float().mean().item(), "policy_entropy": p["entropy"],
                "clip_frac": p["clip_frac"], "kl": p["kl"], "policy_loss": p["loss"],
                "grad_norm": p["grad_norm"], "skipped_steps": p["skipped_steps"],   # non-finite updates
                "score_errors": sum("score_error" in ep.info for ep in episodes)}   # scored 0 (rollout)
-    if m.name == "selfplay":   # the policy also learns from the turns it played as partner
-        metrics["skipped_steps"] += grpo_update(m.policy.model, m.policy.adapter, m.policy_opt, episodes,
-                                                "partner", adv, m.policy_cfg, pad)["skipped_steps"]
     if m.trains_simulator:
         sim_r = simulator_rewards(rewards, group_size, m.partner.reward)
         sim_adv = simulator_advantages(sim_r, group_size, m.partner.reward, m.sim_baseline)

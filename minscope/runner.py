@@ -294,9 +294,14 @@ def check_args(args, env):
     if args.method not in REAL_METHODS:
         raise SystemExit(f"--method {args.method!r} is not available for real environments; choose one "
                          f"of {', '.join(REAL_METHODS)}")
-    if args.method in ("selfplay", "population-selfplay") and not getattr(env, "symmetric", False):
-        print(f"note: {env.name} is not symmetric; with --method {args.method} the policy also plays "
-              f"the {env.partner_name} (and learns from those turns)", file=sys.stderr)
+    if args.method == "selfplay" and not getattr(env, "symmetric", False):
+        print(f"note: {env.name} is not symmetric; with --method selfplay the policy also plays the "
+              f"{env.partner_name} and learns from those turns with the opponent's reward, 1 - r",
+              file=sys.stderr)
+    if args.method == "population-selfplay" and not getattr(env, "symmetric", False):
+        print(f"note: {env.name} is not symmetric; with --method population-selfplay snapshots of the "
+              f"policy play the {env.partner_name} (the policy learns from its own turns only)",
+              file=sys.stderr)
     personas = persona_bank(args, env)
     args.policy, args.simulator, args.data = resolve_path(args.policy), resolve_path(args.simulator), resolve_path(args.data)
     args.personas = resolve_path(args.personas)

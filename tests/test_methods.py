@@ -411,3 +411,53 @@ def test_grpo_update_kl_statistic_ignores_untrained_positions(tokenizer, monkeyp
                                 UpdateConfig(beta=0.1, grad_clip=1e9), tokenizer.pad_token_id)
     assert all(np.isfinite(stats[k]) for k in ("loss", "kl", "grad_norm")), stats
     assert all(torch.isfinite(p).all() for p in trainable_parameters(model, "policy"))
+
+
+def selfplay_step(parts, tokenizer, monkeypatch, symmetric: bool):
+    """One self-play train_step on WordGame (asymmetric unless `symmetric`), recording the
+    optimiser steps and what grpo_update was given."""
+    import minscope.methods as methods
+
+    policy, frozen, _ = parts
+    env = WordGame()
+    env.symmetric = symmetric
+    env.score = lambda ep: (float(len(ep.turns[-1].text) % 2), {})
+    m = build_method("selfplay", policy, frozen, UpdateConfig(lr=1e-3, epochs=1))
+    steps, calls = [], []
+    real_step, real_update = m.policy_opt.step, methods.grpo_update
+    monkeypatch.setattr(m.policy_opt, "step", lambda *a, **k: steps.append(1) or real_step(*a, **k))
+    monkeypatch.setattr(methods, "grpo_update", lambda *a, **k: calls.append(a) or real_update(*a, **k))
+    torch.manual_seed(11)
+    metrics = train_step(m, env, env.tasks()[:4], 4, step=0)
+    return metrics["_episodes"], steps, calls
+
+
+def test_selfplay_takes_one_optimizer_step_on_both_roles_tokens(parts, tokenizer, monkeypatch):
+    from minscope.rollout import training_batch
+
+    episodes, steps, calls = selfplay_step(parts, tokenizer, monkeypatch, symmetric=False)
+    assert len(steps) == 1 and len(calls) == 1                    # as many as RL (Single) takes
+    train_eps, key = calls[0][3], calls[0][4]
+    assert len(train_eps) == 2 * len(episodes)
+    batch = training_batch(train_eps, key, tokenizer.pad_token_id)
+    partner_rows = [i - len(episodes) for i in batch.index if i >= len(episodes)]
+    assert partner_rows                                           # the partner's turns are trained on
+    for i in partner_rows:                                        # ... exactly its own sampled tokens
+        assert train_eps[len(episodes) + i].info["streams"]["agent"] is episodes[i].info["streams"]["partner"]
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_selfplay_partner_turns_get_the_opponents_reward_on_asymmetric_tasks(parts, tokenizer, monkeypatch,
+                                                                          symmetric):
+    from minscope.grpo import group_advantages
+
+    episodes, _, calls = selfplay_step(parts, tokenizer, monkeypatch, symmetric=symmetric)
+    r = torch.tensor([ep.reward for ep in episodes])
+    adv = calls[0][5]
+    n = len(episodes)
+    assert group_advantages(r, 4)[0].abs().sum() > 0              # some group carries a signal
+    torch.testing.assert_close(adv[:n], group_advantages(r, 4)[0])
+    want = group_advantages(r if symmetric else 1.0 - r, 4)[0]
+    torch.testing.assert_close(adv[n:], want)
+    if not symmetric:
+        torch.testing.assert_close(adv[n:], -adv[:n])
