@@ -29,6 +29,7 @@ how likely the reply is, while 0 is a statement the model made.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -38,8 +39,10 @@ from dataclasses import dataclass, field
 TEXT_KEYS = ("text", "response", "reply", "content")                # first present wins
 PROB_KEYS = ("probability", "prob", "p", "confidence")
 LIST_KEYS = ("responses", "candidates", "replies", "options", "alternatives")
-MAX_START_POSITIONS = 64    # opening brackets tried per text (keeps the worst case linear-ish)
+MAX_START_POSITIONS = 64    # opening brackets tried per text
 MAX_DEPTH = 64              # nesting depth the lenient parser accepts
+MAX_TEXT_CHARS = 32_000     # characters of a generation that are read (a k=5 answer is ~2 KB)
+LENIENT_STEPS_PER_CHAR = 2  # work allowed to the lenient reader, over all start positions
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,19 @@ class _ParseError(Exception):
     pass
 
 
+class _TooDeep(_ParseError):
+    """Nesting over MAX_DEPTH. Unlike other errors it depends on where the parse started,
+    so it is not remembered (a start further in may read the same text fine)."""
+
+
+class _OutOfSteps(_ParseError):
+    """The lenient reader used up its steps (LENIENT_STEPS_PER_CHAR per character)."""
+
+
+_STRING_STOPS = {'"': re.compile(r'["\\]'), "'": re.compile(r"['\\]")}   # closing quote or escape
+_WHITESPACE = re.compile(r"\s*")
+
+
 class _Truncated(dict):
     """An object the text ended inside of (e.g. generation hit its token cap)."""
 
@@ -137,20 +153,50 @@ class _LenientJSON:
     only when followed by , } ] : or the end), trailing commas, missing commas between items,
     bare keys, True/False/None/NaN, 30% as a number. If the text ends inside an object, the
     object is returned as `_Truncated` so the caller can drop the half-written candidate.
+
+    The value read at a position (or the error met) is remembered: `parse_candidates` tries
+    many start positions, and a start inside a value already read (e.g. the second of
+    64 opening brackets) then costs nothing. A start inside a string read before (e.g. the
+    "{" in '{"{"{"{"...') is read afresh, so the reader also counts its steps (values and
+    string pieces) and gives up, for all later starts too, after LENIENT_STEPS_PER_CHAR
+    steps per character of text: only such pathological texts get there, and the work stays
+    linear in the text.
     """
 
     def __init__(self, text: str):
         self.s = text
         self.n = len(text)
+        self._memo: dict[int, tuple] = {}     # position -> (value, end) or (_ParseError, message)
+        self.steps_left = LENIENT_STEPS_PER_CHAR * self.n + 1000
+
+    def _step(self) -> None:
+        self.steps_left -= 1
+        if self.steps_left < 0:
+            raise _OutOfSteps("the lenient reader used up its steps")
 
     def _skip_ws(self, i: int) -> int:
-        while i < self.n and self.s[i].isspace():
-            i += 1
-        return i
+        return _WHITESPACE.match(self.s, i).end()
 
     def value(self, i: int, depth: int = 0):
+        known = self._memo.get(i)
+        if known is not None:
+            if known[0] is _ParseError:
+                raise _ParseError(known[1])
+            return known
+        self._step()
+        try:
+            result = self._value(i, depth)
+        except (_TooDeep, _OutOfSteps):
+            raise
+        except _ParseError as e:
+            self._memo[i] = (_ParseError, str(e))
+            raise
+        self._memo[i] = result
+        return result
+
+    def _value(self, i: int, depth: int):
         if depth > MAX_DEPTH:
-            raise _ParseError("too deeply nested")
+            raise _TooDeep("too deeply nested")
         i = self._skip_ws(i)
         if i >= self.n:
             raise _ParseError("no value")
@@ -175,7 +221,15 @@ class _LenientJSON:
     def _string(self, i: int):
         quote, i, out = self.s[i], i + 1, []
         escapes = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f"}
+        stop = _STRING_STOPS[quote]
         while i < self.n:
+            self._step()
+            m = stop.search(self.s, i)           # jump over plain characters in one step
+            j = m.start() if m else self.n
+            out.append(self.s[i:j])
+            i = j
+            if i >= self.n:
+                break
             c = self.s[i]
             if c == "\\" and i + 1 < self.n:
                 nxt = self.s[i + 1]
@@ -274,22 +328,42 @@ def _candidates_from_value(value) -> list[Candidate]:
     return [c for c in cands if c is not None]
 
 
-_TAG_BLOCK_RE = re.compile(r"<response>(.*?)</response>", re.DOTALL | re.IGNORECASE)
-_TAG_TEXT_RE = re.compile(r"<text>(.*?)</text>", re.DOTALL | re.IGNORECASE)
-_TAG_PROB_RE = re.compile(r"<probability>(.*?)</probability>", re.DOTALL | re.IGNORECASE)
+_TAGS = {name: (re.compile(f"<{name}>", re.IGNORECASE), re.compile(f"</{name}>", re.IGNORECASE))
+         for name in ("response", "text", "probability")}
+
+
+def _elements(text: str, name: str):
+    """(start, end, content) of each <name>...</name> in `text`, the same ones the lazy regex
+    `<name>(.*?)</name>` finds (case-insensitive), in linear time: each closing tag is
+    searched for once, and when an opening tag has none after it, no later one has."""
+    opening, closing = _TAGS[name]
+    pos = 0
+    while (m := opening.search(text, pos)) is not None:
+        close = closing.search(text, m.end())
+        if close is None:
+            return
+        yield m.start(), close.end(), text[m.end():close.start()]
+        pos = close.end()
+
+
+def _first_element(text: str, name: str) -> str | None:
+    return next((content for _, _, content in _elements(text, name)), None)
 
 
 def _candidates_from_tags(text: str) -> tuple[list[Candidate], int]:
     """Candidates in the tag format, and where the first <response> block starts."""
     cands, first = [], len(text)
-    for block in _TAG_BLOCK_RE.finditer(text):
-        t = _TAG_TEXT_RE.search(block.group(1))
-        if t is None or not t.group(1).strip():
+    for start, _, block in _elements(text, "response"):
+        t = _first_element(block, "text")
+        if t is None or not t.strip():
             continue
-        p = _TAG_PROB_RE.search(block.group(1))
-        cands.append(Candidate(t.group(1).strip(), parse_probability(p.group(1)) if p else None))
-        first = min(first, block.start())
+        p = _first_element(block, "probability")
+        cands.append(Candidate(t.strip(), parse_probability(p) if p is not None else None))
+        first = min(first, start)
     return cands, first
+
+
+_OPENING_RE = re.compile(r"[{\[]")
 
 
 def parse_candidates(text: str) -> list[Candidate]:
@@ -306,15 +380,24 @@ def parse_candidates(text: str) -> list[Candidate]:
     Text keys: TEXT_KEYS; probability keys: PROB_KEYS (case-insensitive); probabilities
     through `parse_probability`. Empty texts are dropped, and so is an object the text ends
     inside of (a truncated generation keeps its complete candidates).
+
+    Only the first MAX_TEXT_CHARS characters are read (an answer cut there is a truncated
+    generation as above), at most MAX_START_POSITIONS opening brackets are tried, and the
+    lenient reader's work is bounded (see `_LenientJSON`), so the time is linear in the text
+    and bounded for any text: about 0.3 s at worst, a few ms for a real answer.
     """
     if not isinstance(text, str):
         raise TypeError(f"parse_candidates expects the generated text as str, got {type(text).__name__}")
+    text = text[:MAX_TEXT_CHARS]
     tag_cands, tag_start = _candidates_from_tags(text) if "<response" in text.lower() else ([], len(text))
     strict = json.JSONDecoder()
     lenient = _LenientJSON(text)
-    starts = [i for i, c in enumerate(text[:tag_start]) if c in "{["][:MAX_START_POSITIONS]
+    openings = _OPENING_RE.finditer(text, 0, tag_start)
+    starts = [m.start() for m in itertools.islice(openings, MAX_START_POSITIONS)]
     for i in starts:
         for use_strict in (True, False):
+            if not use_strict and lenient.steps_left < 0:
+                continue
             try:
                 value, _ = strict.raw_decode(text, i) if use_strict else lenient.value(i)
             except (ValueError, RecursionError, _ParseError):   # JSONDecodeError is a ValueError
@@ -451,15 +534,24 @@ _FENCE_RE = re.compile(r"```[ \t]*[A-Za-z0-9_+-]*")
 _TEXT_FIELD_RE = re.compile(
     r"""(?<![A-Za-z_])["']?(?:%s)["']?\s*:\s*(["'])((?:\\.|(?!\1).)*)(?:\1|$)""" % "|".join(TEXT_KEYS),
     re.IGNORECASE | re.DOTALL)
-_VS_TAG_RE = re.compile(r"<probability>.*?</probability>|</?(?:responses?|text|probability)>",
-                        re.IGNORECASE | re.DOTALL)
+_VS_TAG_RE = re.compile(r"</?(?:responses?|text|probability)>", re.IGNORECASE)
 _JUNK_EDGES = " \t\r\n{}[],"
+
+
+def _without_probabilities(text: str) -> str:
+    """`text` without its <probability>..</probability> elements (linear time)."""
+    parts, pos = [], 0
+    for start, end, _ in _elements(text, "probability"):
+        parts.append(text[pos:start])
+        pos = end
+    parts.append(text[pos:])
+    return "".join(parts)
 
 
 def fallback(text: str, stats: VSStats | None = None) -> str:
     """The reply to use when VS parsing kept failing; counts a fallback.
 
-    Returns, from the raw generation:
+    Returns, from the raw generation (its first MAX_TEXT_CHARS characters, as parse_candidates):
       1. with code-fence markers (``` and an optional language word) removed,
       2. if a text field is present ("text"/"response"/"reply"/"content" followed by ':' and
          a quoted value, the closing quote optional since output may be cut off), the first
@@ -472,13 +564,13 @@ def fallback(text: str, stats: VSStats | None = None) -> str:
     """
     if stats is not None:
         stats.fallbacks += 1
-    body = _FENCE_RE.sub("", text)
+    body = _FENCE_RE.sub("", text[:MAX_TEXT_CHARS])
     m = _TEXT_FIELD_RE.search(body)
     if m:
         raw = m.group(2)
         unescaped = re.sub(r"\\(.)", lambda e: {"n": "\n", "t": "\t"}.get(e.group(1), e.group(1)), raw)
         return unescaped.strip()
-    body = _VS_TAG_RE.sub("", body).strip(_JUNK_EDGES)
+    body = _VS_TAG_RE.sub("", _without_probabilities(body)).strip(_JUNK_EDGES)
     if len(body) >= 2 and body[0] == body[-1] and body[0] in "\"'":
         body = body[1:-1].strip()   # one reply wrapped in quotes
     return body

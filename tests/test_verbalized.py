@@ -3,11 +3,13 @@
 import json
 import math
 import random
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import minscope.verbalized
 from minscope.verbalized import (
     VS_INSTRUCTION,
     Candidate,
@@ -22,6 +24,7 @@ from minscope.verbalized import (
     vs_instruction,
 )
 
+MAX_TEXT_CHARS = getattr(minscope.verbalized, "MAX_TEXT_CHARS", 64_000)
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -133,6 +136,54 @@ def test_parse_never_raises_on_mutated_json(cands, data):
 def test_parse_survives_deep_nesting():
     assert parse_candidates("[" * 5000) == []
     assert parse_candidates('{"a":' * 3000 + "1" + "}" * 3000) == []
+
+
+def seconds(fn, text):
+    start = time.perf_counter()
+    fn(text)
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize("text", [
+    "[" * 64 + '"' + "a" * 1_000_000,      # every opening bracket used to re-read the string
+    "[" * 64 + "1," * 30_000,              # ... or the list of numbers
+    "<response>" * 10_000,                 # every tag searched to the end for its closing tag
+    "<response>" + "<text>" * 10_000 + "</response>",
+    '{"responses": [' + '{"text": "x", "probability": 0.1}, ' * 30_000,
+], ids=["string", "numbers", "response-tags", "text-tags", "long-list"])
+def test_parse_time_is_linear_on_hostile_text(text):
+    assert seconds(parse_candidates, text) < 1.0
+
+
+@pytest.mark.parametrize("text", ["<probability>" * 10_000, '"text": "' + "\\a" * 200_000],
+                         ids=["probability-tags", "escapes"])
+def test_fallback_time_is_linear_on_hostile_text(text):
+    assert seconds(fallback, text) < 1.0
+
+
+def test_only_the_start_of_a_very_long_generation_is_read():
+    answer = format_candidates([Candidate("a", 0.5), Candidate("b", 0.5)])
+    assert texts(parse_candidates(answer + " " * MAX_TEXT_CHARS)) == ["a", "b"]
+    assert parse_candidates(" " * MAX_TEXT_CHARS + answer) == []
+
+
+def test_a_truncated_nested_answer_is_still_found_inside_an_outer_bracket():
+    # the outer list fails as a whole; the object inside it is found from its own start
+    assert texts(parse_candidates('[[note] {"responses": [{"text": "a"}, {"text": "b"}]}')) == ["a", "b"]
+    assert texts(parse_candidates('[[[{"text": "a", "p": 1}, {"text": "b"')) == ["a"]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(['{', '[', '"', "'", ":", ",", "}", "]", "1", "text", "<response>",
+                                 "<text>", "</text>", "<probability>", "\\", " ", "a"]),
+                min_size=1, max_size=6))
+def test_long_repeated_text_parses_fast(pieces):
+    unit = "".join(pieces)
+    text = unit * (100_000 // len(unit) + 1)        # about 100 KB
+    start = time.perf_counter()
+    assert_well_formed(parse_candidates(text))
+    assert isinstance(fallback(text), str)
+    assert time.perf_counter() - start < 2.0
 
 
 def test_parse_survives_integer_too_large_for_a_float():
