@@ -1,0 +1,358 @@
+"""Benchmark: one full training step (rollout + update) with and without the kept KV cache.
+
+A training step of minscope is `methods.train_step`: a multi-turn rollout of tasks x G
+episodes between the policy and the method's simulator, then the GRPO update(s). This
+script runs that step for methods `single`, `vs` and `population` on a random-weight Qwen3
+of a given shape, once per sampling mode, on the same model and the same batch:
+
+  kept        each party keeps its KV cache between its turns and feeds only the new
+              suffix of its stream (minscope's default)
+  reprefill   every turn feeds each party's whole stream again (LMSpeaker.reuse_cache
+              = False): the prefill work of the sampler before the kept cache
+  legacy      (--modes legacy) the sampler as it was before the kept cache, defined in this
+              file: re-prefill every turn, a DynamicCache grown by concatenation, finished
+              rows kept in the decode batch, a device->host copy every token
+
+Episodes are P4G-shaped: the agent opens, the parties alternate for --turns turns each
+(10 on CUDA), every turn is exactly --turn-tokens (85) sampled tokens (EOS is suppressed:
+random weights would otherwise end turns at random), system prompts of a persuader
+(~300 tokens) and a persona (~120 tokens). `vs` asks for k = 5 candidates per partner
+turn, so its partner turns are (k + 1) x --turn-tokens long; random text never parses, and
+with retries = 0 each partner turn falls back to its raw text.
+
+Model: a Qwen3Config of the real shape with random weights (no download); the tokenizer is
+a small offline BPE with the real Qwen3 chat template (tests/fixtures/templates/qwen3.jinja;
+ChatML if absent). At the real shapes the vocabulary (151,936) is larger than the
+tokenizer's, so sampling is restricted to the tokenizer's ids by a hook on the LM head (the
+update does not see the hook: its log-probs are over the full vocabulary, which changes
+the loss values, not the work). --load-in-4bit loads the base in NF4 (bitsandbytes, CUDA
+only), the way train.py does.
+
+Columns: rollout tokens/s = tokens sampled by both parties / rollout wall time;
+prefilled = ids fed to the model outside decoding (ep.info["tokens"]); rollout_s and
+update_s (the update is the rest of train_step); peak = torch.cuda.max_memory_allocated()
+over the step (CUDA only).
+
+Examples:
+  python bench/step.py --device cpu                       # small shape, batch 32, 4+4 turns
+  python bench/step.py --device cuda --shapes 1.7b --load-in-4bit --methods population
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/step.py
+from minscope import methods as methods_mod  # noqa: E402
+from minscope import rollout as rollout_mod  # noqa: E402
+from minscope.envs.base import Environment, Step  # noqa: E402
+from minscope.models import add_adapters, build_tokenizer, load_model, model_device  # noqa: E402
+from minscope.rollout import LMSpeaker  # noqa: E402
+from minscope.simulators import Frozen  # noqa: E402
+from minscope.trainer import UpdateConfig  # noqa: E402
+
+SHAPES = {
+    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, intermediate_size=3072, vocab_size=151_936),
+    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, intermediate_size=6144, vocab_size=151_936),
+    "small": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=256, vocab_size=None),     # None: the tokenizer's
+}
+METHODS = ("single", "vs", "population")
+MODES = ("kept", "reprefill", "legacy")
+WORDS = ("donation charity children save help give today money school food water family health "
+         "please consider small amount difference world together support kind share hope future "
+         "yes no maybe think about it sure why how much when where organization trust").split()
+TEMPLATE = REPO / "tests" / "fixtures" / "templates" / "qwen3.jinja"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--shapes", default=None, help="comma list of 0.6b,1.7b,small (default: cuda 0.6b,1.7b; cpu small)")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--modes", default="kept,reprefill", help="comma list of kept,reprefill,legacy")
+    p.add_argument("--turns", type=int, default=None, help="turns per party (default: cuda 10, cpu 4)")
+    p.add_argument("--turn-tokens", type=int, default=85, help="sampled tokens per turn")
+    p.add_argument("--tasks", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8, help="G: batch = tasks x G episodes")
+    p.add_argument("--load-in-4bit", action="store_true", help="NF4 base (bitsandbytes, CUDA only)")
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward of the update")
+    p.add_argument("--no-checkpointing", action="store_true", help="no activation checkpointing in the update")
+    p.add_argument("--warmup", type=int, default=1, help="untimed short rollouts per shape first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results here (after each step)")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    if args.load_in_4bit and args.device != "cuda":
+        p.error("--load-in-4bit needs CUDA (bitsandbytes' 4-bit kernels)")
+    args.shapes = (args.shapes or ("0.6b,1.7b" if args.device == "cuda" else "small")).split(",")
+    args.turns = args.turns or (10 if args.device == "cuda" else 4)
+    for name, allowed in (("shapes", SHAPES), ("methods", METHODS), ("modes", MODES)):
+        value = getattr(args, name) if name == "shapes" else getattr(args, name).split(",")
+        bad = [v for v in value if v not in allowed]
+        if bad:
+            p.error(f"unknown {name} {bad}; choose from {', '.join(allowed)}")
+        setattr(args, name, value)
+    return args
+
+
+# ------------------------------------------------------------------ the episodes
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+class Shaped(Environment):
+    """P4G-shaped conversations: the agent opens, strict alternation, `turns` turns each."""
+
+    def __init__(self, turns: int, seed: int = 0):
+        self.turns, rng = turns, random.Random(seed)
+        self.persuader = "You are a persuader for a children's charity. " + words(rng, 240)
+        self.personas = ["You are a persuadee. Your persona: " + words(rng, 90) for _ in range(8)]
+
+    def tasks(self, split="train"):
+        return list(range(8))
+
+    def agent_messages(self, task):
+        return [{"role": "system", "content": self.persuader}]
+
+    def partner_messages(self, task):
+        return [{"role": "system", "content": self.personas[task % len(self.personas)]}]
+
+    def after_turn(self, episode):
+        if len(episode.turns) >= 2 * self.turns:
+            return Step(None)
+        return Step("partner" if episode.turns[-1].role == "agent" else "agent")
+
+    def score(self, episode):
+        return float(sum(len(t.text) for t in episode.turns if t.role == "agent") % 7), {}
+
+
+# ------------------------------------------------------------------ models
+def build(shape: str, args):
+    """(model, tokenizer) for `shape`: random weights, the Qwen3 template when available."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    tokenizer = build_tokenizer([words(random.Random(i), 60) for i in range(200)], vocab_size=600)
+    if TEMPLATE.exists():
+        tokenizer.chat_template = TEMPLATE.read_text()
+    dims = dict(SHAPES[shape])
+    dims["vocab_size"] = dims["vocab_size"] or len(tokenizer)
+    config = Qwen3Config(**dims, tie_word_embeddings=True, max_position_embeddings=40_960,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(args.seed)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    if args.load_in_4bit:        # transformers quantises only through from_pretrained
+        with tempfile.TemporaryDirectory() as folder:
+            with torch.device(args.device):
+                AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            model, _ = load_model(folder, load_in_4bit=True, dtype=dtype, device=args.device)
+    else:
+        with torch.device(args.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if not args.no_checkpointing and args.device == "cuda":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.vocab_size > len(tokenizer):           # sample only ids the tokenizer can spell
+        n = len(tokenizer)
+        model.get_output_embeddings().register_forward_hook(
+            lambda m, i, out: out.index_fill_(-1, torch.arange(n, out.shape[-1], device=out.device),
+                                              float("-inf")))
+    model = add_adapters(model, ["policy", "simulator"])
+    return model, tokenizer
+
+
+def make_method(name: str, model, tokenizer, args):
+    new = args.turn_tokens
+    policy = LMSpeaker(model, tokenizer, "agent", adapter="policy", max_new_tokens=new)
+    frozen = Frozen(model, tokenizer, adapter=None, max_new_tokens=new)
+    cfg = UpdateConfig(lr=1e-6, beta=0.005, micro_batch=args.micro_batch)
+    kw = dict(sim_model=model, sim_tokenizer=tokenizer, sim_cfg=UpdateConfig(lr=1e-6, micro_batch=args.micro_batch))
+    method = methods_mod.build_method(name, policy, [frozen], cfg, seed=args.seed,
+                                      **(kw if name == "population" else {}))
+    if name == "vs":
+        method.partner.retries = 0
+    speakers = [policy, frozen, getattr(method.partner, "speaker", None), method.partner]
+    for sp in speakers:
+        if isinstance(sp, LMSpeaker):
+            sp.eos = set()                  # fixed-length turns: EOS never ends a turn
+    return method
+
+
+# ------------------------------------------------------------------ the sampler before the kept cache
+@torch.no_grad()
+def legacy_sample(model, prompts, pad_id, eos_ids, max_new_tokens, temperature=1.0, adapter_names=None,
+                  cache=None, owners=None, **_):
+    """minscope's sampler before the kept KV cache (for the `legacy` mode only)."""
+    device = model_device(model)
+    model.eval()
+    B, T = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, T), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, T - len(p):] = torch.tensor(p)
+        attention[i, T - len(p):] = 1
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    position = (attention.cumsum(-1) - 1).clamp(min=0)
+    extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
+    out_ids, out_logp = [[] for _ in range(B)], [[] for _ in range(B)]
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+    past, kw = None, rollout_mod._cache_kwarg(model)
+    step_ids, step_pos = input_ids, position
+    for _ in range(max_new_tokens):
+        out = model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos,
+                    use_cache=True, logits_to_keep=1, **{kw: past}, **extra)
+        past = getattr(out, "cache", None) or out.past_key_values
+        logits = out.logits[:, -1].float()
+        logprobs = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+        token = torch.multinomial(logprobs.exp(), 1).squeeze(1) if temperature > 0 else logprobs.argmax(-1)
+        ids_now, logp_now = token.tolist(), logprobs.gather(1, token[:, None]).squeeze(1).tolist()
+        for i in torch.nonzero(~finished).flatten().tolist():
+            out_ids[i].append(ids_now[i])
+            out_logp[i].append(logp_now[i])
+        finished |= torch.isin(token, eos)
+        if finished.all():
+            break
+        step_ids, step_pos = token[:, None], step_pos[:, -1:] + 1
+        attention = torch.cat([attention, torch.ones((B, 1), dtype=attention.dtype, device=device)], 1)
+    if cache is not None:
+        cache.last_prefilled = [len(p) for p in prompts]
+    return out_ids, out_logp
+
+
+@contextlib.contextmanager
+def mode(name: str):
+    """Sample in mode `name` inside the block (see the module docstring)."""
+    saved = LMSpeaker.reuse_cache, rollout_mod.sample
+    LMSpeaker.reuse_cache = name == "kept"
+    if name == "legacy":
+        rollout_mod.sample = legacy_sample
+    try:
+        yield
+    finally:
+        LMSpeaker.reuse_cache, rollout_mod.sample = saved
+
+
+# ------------------------------------------------------------------ one step
+def measure(shape, method_name, mode_name, model, tokenizer, args) -> dict:
+    cuda = args.device == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    env = Shaped(args.turns, args.seed)
+    tasks = env.tasks()[:args.tasks]
+    method = make_method(method_name, model, tokenizer, args)
+    timed = {}
+    real_rollout = methods_mod.rollout
+
+    def timed_rollout(*a, **k):          # train_step's rollout, timed on its own
+        sync()
+        t0 = time.perf_counter()
+        episodes = real_rollout(*a, **k)
+        sync()
+        timed["rollout_s"] = time.perf_counter() - t0
+        timed["episodes"] = episodes
+        return episodes
+
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(args.seed)
+    methods_mod.rollout = timed_rollout
+    try:
+        with mode(mode_name):
+            sync()
+            t0 = time.perf_counter()
+            methods_mod.train_step(method, env, tasks, args.group_size, step=1)
+            sync()
+            total = time.perf_counter() - t0
+    finally:
+        methods_mod.rollout = real_rollout
+    episodes = timed.pop("episodes")
+    counts = [c for ep in episodes for c in ep.info.get("tokens", {}).values()]
+    prefilled = sum(c["prefilled"] for c in counts)
+    generated = sum(c["generated"] for c in counts)
+    return {"shape": shape, "method": method_name, "mode": mode_name, "batch": len(episodes),
+            "turns": args.turns, "prefilled": prefilled, "generated": generated,
+            "rollout_s": timed["rollout_s"], "update_s": total - timed["rollout_s"],
+            "tokens_per_s": generated / timed["rollout_s"],
+            "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "four_bit": args.load_in_4bit}
+
+
+def table(rows) -> str:
+    lines = ["| shape | method | mode | batch | prefilled | generated | rollout s | tok/s | update s | peak |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
+        lines.append(f"| {r['shape']} | {r['method']} | {r['mode']} | {r['batch']} | {r['prefilled']:,} | "
+                     f"{r['generated']:,} | {r['rollout_s']:.2f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['update_s']:.2f} | {peak} |")
+    return "\n".join(lines)
+
+
+def comparisons(rows) -> list[str]:
+    """One line per (shape, method): the kept cache against each baseline mode."""
+    out = []
+    for r in rows:
+        if r["mode"] == "kept":
+            continue
+        kept = next((k for k in rows if k["mode"] == "kept" and k["shape"] == r["shape"]
+                     and k["method"] == r["method"]), None)
+        if kept:
+            fewer = 1 - kept["prefilled"] / max(r["prefilled"], 1)
+            out.append(f"{r['shape']} {r['method']}: prefill tokens: {kept['prefilled']:,} vs "
+                       f"{r['prefilled']:,} {'re-prefilled' if r['mode'] == 'reprefill' else r['mode']} "
+                       f"({fewer:.0%} fewer); rollout {kept['tokens_per_s'] / r['tokens_per_s']:.2f}x the "
+                       f"tokens/s of {r['mode']} ({kept['rollout_s']:.2f} s vs {r['rollout_s']:.2f} s)")
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_grad_enabled(True)
+    rows = []
+    for shape in args.shapes:
+        model, tokenizer = build(shape, args)
+        for _ in range(args.warmup):     # first-call costs (allocator, kernels) stay out of the timings
+            warm = make_method("single", model, tokenizer, args)
+            warm.policy.max_new_tokens = warm.partner.max_new_tokens = 4
+            env = Shaped(1, args.seed)
+            rollout_mod.rollout(env, env.tasks()[:args.tasks], warm.policy, warm.partner, args.group_size)
+        for method_name in args.methods:
+            for mode_name in args.modes:
+                row = measure(shape, method_name, mode_name, model, tokenizer, args)
+                rows.append(row)
+                print(f"{shape} {method_name} {mode_name}: {row['rollout_s']:.2f} s rollout, "
+                      f"{row['prefilled']:,} prefilled, {row['tokens_per_s']:,.0f} tok/s, "
+                      f"{row['update_s']:.2f} s update", flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(rows, indent=1))
+        del model
+    print()
+    print(table(rows))
+    print()
+    for line in comparisons(rows):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
