@@ -3,6 +3,7 @@ parser and the environment. Fixtures in tests/fixtures/p4g are small hand-writte
 in the CSV release layout and the two ConvoKit layouts (speakers.json and users.json)."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from minscope.envs.base import Episode, Turn
 from minscope.envs.p4g import P4GEnv, episode_donation, is_donation_ask, parse_donation
-from minscope.envs.p4g_data import (P4GDataNotFound, clean_survey, load_p4g, persona_split,
+from minscope.envs.p4g_data import (DataError, P4GDataNotFound, clean_survey, load_p4g, persona_split,
                                     render_persona)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "p4g"
@@ -370,3 +371,109 @@ def test_long_repeated_text_parses_fast(pieces):
     amount = parse_donation(text)
     assert time.perf_counter() - start < 2.0
     assert amount is None or 0.0 <= amount <= 2.0
+
+
+# ------------------------------------------------------------------- broken data files
+
+def copy_csv(tmp_path) -> Path:
+    folder = tmp_path / "p4g"
+    shutil.copytree(CSV, folder)
+    return folder
+
+
+def edit(path: Path, fn):
+    path.write_text(fn(path.read_text(encoding="utf-8")), encoding="utf-8")
+
+
+def test_a_renamed_column_is_a_data_error_naming_the_file_and_column(tmp_path):
+    folder = copy_csv(tmp_path)
+    edit(folder / "full_info.csv", lambda s: s.replace("B2,B3,B4", "B2,UserID,B4", 1))
+    with pytest.raises(DataError, match=r"full_info\.csv.*B3") as err:
+        load_p4g(folder)
+    assert isinstance(err.value, ValueError) and "UserID" in str(err.value)   # says what it found
+
+
+def test_a_short_row_is_a_data_error_naming_the_file_and_line(tmp_path):
+    folder = copy_csv(tmp_path)
+    lines = (folder / "full_info.csv").read_text().splitlines(keepends=True)
+    lines[3] = ",".join(lines[3].split(",")[:4]) + "\n"          # line 4 keeps 4 of 37 fields
+    (folder / "full_info.csv").write_text("".join(lines))
+    with pytest.raises(DataError, match=r"full_info\.csv.*line 4.*4 of 37"):
+        load_p4g(folder)
+
+
+def test_non_utf8_bytes_are_a_data_error_naming_the_file_and_line(tmp_path):
+    folder = copy_csv(tmp_path)
+    raw = (folder / "full_dialog.csv").read_bytes().replace(b"Not really.", b"Not r\xe9ally.")
+    (folder / "full_dialog.csv").write_bytes(raw)
+    with pytest.raises(DataError, match=r"full_dialog\.csv.*line 12.*UTF-8"):
+        load_p4g(folder)
+
+
+def test_a_file_cut_off_in_the_middle_of_its_last_row_is_reported(tmp_path):
+    folder = copy_csv(tmp_path)
+    raw = (folder / "full_info.csv").read_text()
+    (folder / "full_info.csv").write_text(raw[:raw.rstrip("\n").rfind("\n") + 30])   # last row cut
+    with pytest.raises(DataError, match=r"full_info\.csv.*line 13.*truncated"):
+        load_p4g(folder)
+
+
+def test_dialogues_without_a_persuadee_row_are_reported_with_counts(tmp_path, capsys):
+    folder = copy_csv(tmp_path)
+    raw = (folder / "full_info.csv").read_text()
+    (folder / "full_info.csv").write_text(raw[:raw.rstrip("\n").rfind("\n") + 1])   # cut at a row end
+    corpus = load_p4g(folder)
+    assert "20180902-100000_6_live" in {d.id for d in corpus.dialogues}
+    message = "full_info.csv has no persuadee row for 1 of 5 dialogues"
+    assert any(message in w for w in corpus.warnings)
+    assert message in capsys.readouterr().err
+
+
+def test_dialogues_without_messages_are_reported_with_counts(tmp_path, capsys):
+    folder = copy_csv(tmp_path)
+    edit(folder / "full_dialog.csv", lambda s: s[:s.index("27,Hello again")])   # cut at a row end
+    corpus = load_p4g(folder)
+    message = "full_dialog.csv has no messages for 1 of 5 dialogues in full_info.csv"
+    assert any(message in w for w in corpus.warnings) and message in capsys.readouterr().err
+
+
+def test_the_fixture_corpora_load_without_warnings(csv_corpus):
+    assert csv_corpus.warnings == []
+    for folder in CONVOKIT:
+        assert load_p4g(folder).warnings == []
+
+
+def test_an_unknown_role_is_a_data_error_naming_the_file_and_line(tmp_path):
+    folder = copy_csv(tmp_path)
+    edit(folder / "full_dialog.csv", lambda s: s.replace("Not really.,0,1,", "Not really.,0,2,"))
+    with pytest.raises(DataError, match=r"full_dialog\.csv.*line 12.*B4.*'2'"):
+        load_p4g(folder)
+
+
+@pytest.mark.parametrize("damage, where", [
+    (lambda s: s.replace('"meta": {"role": 1, "turn": 0}', '"meta": {"role": 1, "turn": 0', 1),
+     r"utterances\.jsonl.*line 2"),
+    (lambda s: s.replace("\n", "\n[1, 2]\n", 1), r"utterances\.jsonl.*line 2.*object"),
+])
+def test_a_broken_convokit_utterance_is_a_data_error_naming_the_line(tmp_path, damage, where):
+    folder = tmp_path / "corpus"
+    shutil.copytree(CONVOKIT[0], folder)
+    edit(folder / "utterances.jsonl", damage)
+    with pytest.raises(DataError, match=where):
+        load_p4g(folder)
+
+
+@pytest.mark.parametrize("name", ["conversations.json", "speakers.json"])
+def test_a_broken_convokit_json_file_is_a_data_error_naming_it(tmp_path, name):
+    folder = tmp_path / "corpus"
+    shutil.copytree(CONVOKIT[0], folder)
+    edit(folder / name, lambda s: s[: len(s) // 2])
+    with pytest.raises(DataError, match=re.escape(name)):
+        load_p4g(folder)
+
+
+def test_the_environment_passes_data_errors_on(tmp_path):
+    folder = copy_csv(tmp_path)
+    edit(folder / "full_dialog.csv", lambda s: s.replace(",Unit,", ",Text,", 1))
+    with pytest.raises(DataError, match=r"full_dialog\.csv.*Unit"):
+        P4GEnv(folder)

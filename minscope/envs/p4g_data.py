@@ -28,15 +28,24 @@ Two official distributions carry the same 1,017 dialogues and survey answers:
     as missing, since participants were adult crowd workers.
   - A user can be the persuadee in several dialogues (1,017 dialogues, 761 persuadees);
     the survey answers agree across rows, so one persona per user id.
+
+Damaged files (a renamed column, a short row, bytes that are not UTF-8, a file cut off in
+the middle of a row, a JSON file that does not parse) raise `DataError`, whose message
+names the file, the line and the column where that applies. A file cut off at a row
+boundary cannot be told from a complete one, so the loader reports, with counts, the
+dialogues that lack their persuadee row or their messages (`P4GCorpus.warnings`, also
+printed to stderr): those dialogues give no task.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +60,12 @@ DATA_HELP = (
 
 class P4GDataNotFound(FileNotFoundError):
     """The Persuasion for Good files are not where the user pointed."""
+
+
+class DataError(ValueError):
+    """A Persuasion for Good file is there but damaged or not in the release's format. The
+    message names the file (and line or column) and says what is wrong, so a command-line
+    tool can print it as it is, without a traceback."""
 
 
 # Survey fields: canonical name -> (group, label shown in the persona).
@@ -120,6 +135,7 @@ class P4GCorpus:
     dialogues: list[P4GDialogue]
     surveys: dict[str, dict] = field(default_factory=dict)  # user id -> clean survey
     dropped_bad: int = 0            # "BAD_" dialogues skipped
+    warnings: list[str] = field(default_factory=list)       # what was skipped, with counts
 
     def persuadee_ids(self) -> list[str]:
         """Users who were a persuadee in a kept dialogue and answered the survey."""
@@ -265,22 +281,108 @@ def _add_message(messages: list, role: str, text: str) -> None:
         messages.append((role, text))
 
 
+def _read_text(path: Path) -> str:
+    """A file's text; bytes that are not UTF-8 are a DataError naming the line."""
+    raw = path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):       # a UTF-8 byte-order mark, as Excel writes
+        raw = raw[3:]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}: line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}); the "
+                        "release files are UTF-8, so re-save the file as UTF-8 or download it "
+                        "again") from None
+
+
+# Columns the loader reads; every other column of full_info.csv is a survey answer.
+_COLUMNS = {"full_dialog.csv": {"B2": "dialogue id", "B4": "role", "Unit": "message text"},
+            "full_info.csv": {"B2": "dialogue id", "B3": "user id", "B4": "role"}}
+_OTHER_COLUMNS = {"", "Turn", "B5", "B6", "B7"}
+
+
+def _read_csv(path: Path) -> list[tuple[int, dict]]:
+    """(line, row) of every row of a release CSV, checked: UTF-8, the columns the loader
+    reads present, and every row as many fields as the header. A problem is a DataError
+    naming the file and the line (or the column)."""
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True)
+    records = []
+    try:
+        for fields in reader:
+            if fields:                   # (blank lines are skipped)
+                records.append((reader.line_num, fields))
+    except csv.Error as e:
+        end = reader.line_num >= _read_text(path).count("\n") + 1
+        raise DataError(f"{path}: line {reader.line_num}: {e}" + (
+            "; the file ends inside a quoted field, so it looks truncated: download it again"
+            if end and "end of data" in str(e) else "")) from None
+    if not records:
+        raise DataError(f"{path} is empty; download it again")
+    _, header = records[0]
+    missing = [f"'{c}' ({what})" for c, what in _COLUMNS[path.name].items() if c not in header]
+    if missing:
+        unknown = [c for c in header if c not in _COLUMNS[path.name] and c not in _OTHER_COLUMNS
+                   and survey_field(c) is None]
+        raise DataError(f"{path} has no column {' or '.join(missing)}; "
+                        + (f"columns it has that the release does not: {', '.join(map(repr, unknown))}"
+                           if unknown else f"its columns are {', '.join(map(repr, header))}"))
+    rows = []
+    for k, (line, fields) in enumerate(records[1:], start=2):
+        if len(fields) != len(header):
+            last = k == len(records) and len(fields) < len(header)
+            raise DataError(f"{path}: line {line} has {len(fields)} of {len(header)} fields" + (
+                "; it is the last row, so the file looks truncated: download it again" if last else ""))
+        rows.append((line, dict(zip(header, fields))))
+    return rows
+
+
+def _row_role(path: Path, line: int, row: dict) -> str:
+    """The row's role, and its dialogue (and, in full_info.csv, user) id present."""
+    role = _role(row["B4"])
+    if role is None:
+        raise DataError(f"{path}: line {line}: column B4 (role) is {row['B4']!r}; "
+                        "expected 0 (persuader) or 1 (persuadee)")
+    for column in ("B2", "B3"):
+        if column in _COLUMNS[path.name] and not row[column].strip():
+            raise DataError(f"{path}: line {line}: column {column} "
+                            f"({_COLUMNS[path.name][column]}) is empty")
+    return role
+
+
+def _warn(corpus: P4GCorpus, message: str) -> None:
+    corpus.warnings.append(message)
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _report_unmatched(corpus: P4GCorpus, messages: dict, people: dict) -> None:
+    """Dialogues that lack their persuadee row or their messages (e.g. a file cut off at a
+    row boundary, which no row shows): reported with counts, as they give no task."""
+    kept = [d for d in messages if not d.startswith("BAD_")]
+    no_persuadee = [d for d in kept if "persuadee" not in people.get(d, {})]
+    if no_persuadee:
+        _warn(corpus, f"full_info.csv has no persuadee row for {len(no_persuadee)} of {len(kept)} "
+                      f"dialogues (e.g. {no_persuadee[0]}); they give no task. A complete release "
+                      "has two rows per dialogue: is the file cut off?")
+    listed = [d for d in people if not d.startswith("BAD_")]
+    no_messages = [d for d in listed if d not in messages]
+    if no_messages:
+        _warn(corpus, f"full_dialog.csv has no messages for {len(no_messages)} of {len(listed)} "
+                      f"dialogues in full_info.csv (e.g. {no_messages[0]}); they are left out. "
+                      "Is the file cut off?")
+
+
 def _load_csv(folder: Path) -> P4GCorpus:
-    with open(folder / "full_info.csv", newline="", encoding="utf-8-sig") as f:
-        info = list(csv.DictReader(f))
-    with open(folder / "full_dialog.csv", newline="", encoding="utf-8-sig") as f:
-        rows = list(csv.DictReader(f))
+    info_path, dialog_path = folder / "full_info.csv", folder / "full_dialog.csv"
+    info, rows = _read_csv(info_path), _read_csv(dialog_path)
     messages: dict[str, list] = {}
-    for r in rows:                   # rows are in dialogue order already
-        role = _role(r.get("B4"))
-        if role is not None:
-            _add_message(messages.setdefault(r["B2"], []), role, r.get("Unit", ""))
+    for line, r in rows:             # rows are in dialogue order already
+        role = _row_role(dialog_path, line, r)
+        _add_message(messages.setdefault(r["B2"], []), role, r["Unit"])
     people: dict[str, dict] = {}     # dialogue id -> {"persuader": row, "persuadee": row}
-    for r in info:
-        role = _role(r.get("B4"))
-        if role is not None:
-            people.setdefault(r["B2"], {})[role] = r
+    for line, r in info:
+        people.setdefault(r["B2"], {})[_row_role(info_path, line, r)] = r
     corpus = P4GCorpus(dialogues=[])
+    _report_unmatched(corpus, messages, people)
     for dialogue_id, msgs in messages.items():
         if dialogue_id.startswith("BAD_"):
             corpus.dropped_bad += 1
@@ -314,6 +416,44 @@ def _meta_donation(meta: dict):
     return meta.get("B6")
 
 
+def _json_problem(path: Path, e: json.JSONDecodeError, last_line: int) -> DataError:
+    cut = "; the file ends there, so it looks truncated: download it again" if e.lineno >= last_line else ""
+    return DataError(f"{path}: line {e.lineno}, column {e.colno}: not valid JSON ({e.msg}){cut}")
+
+
+def _read_json_object(path: Path) -> dict:
+    """A ConvoKit JSON file that maps ids to entries (speakers, conversations)."""
+    text = _read_text(path)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _json_problem(path, e, text.rstrip().count("\n") + 1) from None
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: expected a JSON object mapping ids to entries, found a "
+                        f"{type(value).__name__}")
+    return value
+
+
+def _read_utterances(path: Path) -> list[dict]:
+    """utterances.jsonl: one JSON object per line; a broken line is a DataError naming it."""
+    lines = _read_text(path).splitlines()
+    last = max((k for k, line in enumerate(lines, start=1) if line.strip()), default=0)
+    utterances = []
+    for k, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            u = json.loads(line)
+        except json.JSONDecodeError as e:
+            cut = "; it is the last line, so the file looks truncated: download it again" if k == last else ""
+            raise DataError(f"{path}: line {k}: not valid JSON ({e.msg}){cut}") from None
+        if not isinstance(u, dict):
+            raise DataError(f"{path}: line {k}: expected a JSON object (one utterance), found a "
+                            f"{type(u).__name__}")
+        utterances.append(u)
+    return utterances
+
+
 def _load_convokit(folder: Path) -> P4GCorpus:
     speakers_file = folder / "speakers.json"
     if not speakers_file.is_file():
@@ -321,24 +461,20 @@ def _load_convokit(folder: Path) -> P4GCorpus:
     if not speakers_file.is_file():      # the survey answers: without them there are no tasks
         raise P4GDataNotFound(f"the ConvoKit corpus at '{folder}' has no speakers.json (or users.json), "
                               f"which holds the persuadees' survey answers. {DATA_HELP}")
-    speakers = json.loads(speakers_file.read_text(encoding="utf-8"))
-    conversations = json.loads((folder / "conversations.json").read_text(encoding="utf-8"))
+    speakers = _read_json_object(speakers_file)
+    conversations = _read_json_object(folder / "conversations.json")
     messages: dict[str, list] = {}
     ids: dict[str, dict] = {}        # conversation id -> {role: speaker id}
-    with open(folder / "utterances.jsonl", encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            u = json.loads(line)
-            conv = str(u.get("conversation_id", u.get("root")))
-            speaker = u.get("speaker", u.get("user"))
-            meta = u.get("meta") or {}
-            role = _role(meta.get("role", meta.get("B4")))
-            if role is None:
-                raise ValueError(f"{folder / 'utterances.jsonl'}: utterance {u.get('id')} has no "
-                                 "speaker role (meta 'role' or 'B4', 0 persuader / 1 persuadee)")
-            _add_message(messages.setdefault(conv, []), role, u.get("text", ""))
-            ids.setdefault(conv, {}).setdefault(role, None if speaker is None else str(speaker))
+    for u in _read_utterances(folder / "utterances.jsonl"):
+        conv = str(u.get("conversation_id", u.get("root")))
+        speaker = u.get("speaker", u.get("user"))
+        meta = u.get("meta") if isinstance(u.get("meta"), dict) else {}
+        role = _role(meta.get("role", meta.get("B4")))
+        if role is None:
+            raise DataError(f"{folder / 'utterances.jsonl'}: utterance {u.get('id')} has no "
+                            "speaker role (meta 'role' or 'B4', 0 persuader / 1 persuadee)")
+        _add_message(messages.setdefault(conv, []), role, u.get("text", ""))
+        ids.setdefault(conv, {}).setdefault(role, None if speaker is None else str(speaker))
     corpus = P4GCorpus(dialogues=[])
     for conv, msgs in messages.items():
         meta = _meta(conversations.get(conv, {}))
