@@ -68,6 +68,14 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=16, help="real env: evaluate every N steps")
     p.add_argument("--max-new-tokens", type=int, default=128, help="real env: per-turn token cap")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward")
+    p.add_argument("--rollout-batch", type=int, metavar="N", help="real env: at most N episodes generated "
+                   "at once (default: what fits in half the free GPU memory; 32 on CPU)")
+    p.add_argument("--eval-temperature", type=float, metavar="T", help="real env: sampling temperature of "
+                   "the policy and the panel during evaluation (default 0: greedy, as the paper evaluates)")
+    p.add_argument("--no-grad-checkpointing", action="store_true", help="real env: keep every layer's "
+                   "activations for the backward pass (faster, far more memory; default: recompute them)")
+    p.add_argument("--thinking", action="store_true", help="real env: let thinking chat templates (Qwen3) "
+                   "think; default enable_thinking=False for both parties")
     return p.parse_args(argv)
 
 

@@ -200,6 +200,23 @@ def fix_cpu_4bit(model) -> int:
     return n
 
 
+def enable_checkpointing(model) -> int:
+    """Non-reentrant activation checkpointing of every decoder layer: during training each
+    layer keeps only its input and recomputes the rest in the backward pass. At the 1.7B
+    shape this took one Population Co-Training update from 18.9 to 2.96 GB (bench/memory.py)
+    for about a third more time. Generation (eval mode) is unaffected. Call it on the
+    transformers model (before `add_adapters`, or a PeftModel's `get_base_model()`).
+    Returns how many layers checkpoint (transformers 5.2x renamed the call; both names work)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing for m in model.modules())
+
+
 # --------------------------------------------------------------------------- adapters
 def add_adapters(model, names, r: int = 8, alpha: int = 16, dropout: float = 0.0,
                  target_modules="all-linear", init_lora_weights=True):

@@ -229,15 +229,43 @@ def training_log(run_dir: Path) -> list[str]:
         out.append(f"{len(train)} training steps; training reward {_f(train[0])} (first step) -> "
                    f"{_f(train[-1])} (last step).")
     if evals:
-        skip = {"kind", "step", "split", "tasks", "panel_mean", "seen", "unseen"}
+        skip = {"kind", "step", "split", "tasks", "panel_mean", "seen", "unseen", "eval_temperature", "eval_s"}
         names = [k for k in evals[0] if k not in skip]
         n = evals[0].get("tasks")
         which = f"the first {n} {evals[0].get('split', 'test')} tasks" if n else f"{evals[0].get('split', 'test')} tasks"
-        out += ["", f"Evaluations during training (greedy policy, {which}, one episode per task):", "",
+        temperature = evals[0].get("eval_temperature")
+        how = ("policy and simulators greedy" if temperature == 0 else "greedy policy" if temperature is None
+               else f"policy and simulators at temperature {temperature:g}")
+        out += ["", f"Evaluations during training ({how}, {which}, one episode per task):", "",
                 "| step | " + " | ".join(names) + " | panel mean |", "|---|" + "---|" * (len(names) + 1)]
         for r in evals:
             out.append(f"| {r['step']} | " + " | ".join(_f(r.get(n)) for n in names) +
                        f" | {_f(r.get('panel_mean'))} |")
+    out += timings([r for r in recs if r.get("kind") == "train"], evals)
+    return out
+
+
+def timings(steps: list[dict], evals: list[dict]) -> list[str]:
+    """Where a training step's time went (rollout, update), evaluation time, tokens and the
+    share of exact token streams, as means over the logged steps (runs that logged them)."""
+    steps = [r for r in steps if "rollout_s" in r]
+    if not steps:
+        return []
+
+    def mean(key, recs):
+        vals = [r[key] for r in recs if key in r]
+        return _f(float(np.mean(vals)), 1) if vals else "n/a"
+
+    out = ["", f"Time per training step (mean over {len(steps)} steps): rollout {mean('rollout_s', steps)} s, "
+           f"update {mean('update_s', steps)} s, whole step {mean('seconds', steps)} s; evaluation "
+           f"{mean('eval_s', evals)} s each."]
+    if any("tokens_generated" in r for r in steps):
+        out.append(f"Tokens per step: {mean('tokens_generated', steps)} generated, "
+                   f"{mean('tokens_prefilled', steps)} prefilled (fed to the model before sampling).")
+    fracs = [r["exact_stream_frac"] for r in steps if "exact_stream_frac" in r]
+    if fracs:
+        out.append(f"Exact token streams: {_f(min(fracs), 2)} of the episodes at the lowest step "
+                   "(below 0.9 the run stops).")
     return out
 
 

@@ -20,6 +20,8 @@ one party's stream with mask 1.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -261,11 +263,15 @@ class LMSpeaker:
                  thinking: bool = False):
         self.model, self.tokenizer, self.role = model, tokenizer, role
         self.thinking = thinking
-        self.chat = chat_format(tokenizer, thinking)
         self.adapter, self.temperature, self.max_new_tokens = adapter, temperature, max_new_tokens
         self.name = name or (adapter if isinstance(adapter, str) else role)
         self.system_suffix = system_suffix  # str or episode -> str, appended to the system message
         self.eos = eos_token_ids(tokenizer, model)
+
+    @property
+    def chat(self):
+        """This party's chat format (`chat.ChatFormat`, one per tokenizer and thinking mode)."""
+        return chat_format(self.tokenizer, self.thinking)
 
     def adapter_of(self, episode):
         return self.adapter(episode) if callable(self.adapter) else self.adapter
@@ -338,13 +344,44 @@ class LMSpeaker:
 
 
 # --------------------------------------------------------------------------- the loop
-def rollout(env, tasks, agent, partner, group_size: int = 1) -> list[Episode]:
+ROLLOUT_BATCH: int | None = None   # default `max_batch` of `rollout` (see `rollout_batch`)
+
+
+@contextlib.contextmanager
+def rollout_batch(n: int | None):
+    """Inside the block, `rollout` plays at most `n` episodes at once (None: all at once).
+    A real run sets this from --rollout-batch: the KV cache of every live episode is held
+    until the episode ends, so the chunk size bounds the rollout's memory."""
+    global ROLLOUT_BATCH
+    saved, ROLLOUT_BATCH = ROLLOUT_BATCH, n
+    try:
+        yield
+    finally:
+        ROLLOUT_BATCH = saved
+
+
+def rollout(env, tasks, agent, partner, group_size: int = 1, max_batch: int | None = None,
+            first_group: int = 0) -> list[Episode]:
     """Play every task `group_size` times: returns scored episodes, grouped consecutively.
 
     `agent` and `partner` are speakers: objects with `respond(episodes, env) -> [Turn]`
     (an LM speaker, a simulator strategy, or a scripted population such as real users).
+    max_batch: play the tasks in chunks of whole groups, at most `max_batch` episodes
+    generated at once (at least one group); default `ROLLOUT_BATCH`. Every episode's
+    info["rollout_s"] is the wall time of the whole call.
     """
-    episodes = [Episode(task=t, group=g) for g, t in enumerate(tasks) for _ in range(group_size)]
+    start = time.perf_counter()
+    limit = ROLLOUT_BATCH if max_batch is None else max_batch
+    per = max(1, limit // group_size) if limit else len(tasks)
+    if len(tasks) > per:       # chunk by chunk; group numbers stay those of the whole call
+        episodes = [ep for s in range(0, len(tasks), per)
+                    for ep in rollout(env, tasks[s:s + per], agent, partner, group_size, max_batch=0,
+                                      first_group=first_group + s)]
+        elapsed = time.perf_counter() - start
+        for ep in episodes:
+            ep.info["rollout_s"] = elapsed
+        return episodes
+    episodes = [Episode(task=t, group=first_group + g) for g, t in enumerate(tasks) for _ in range(group_size)]
     if hasattr(partner, "assign"):
         partner.assign(episodes)
     speaker_of = {"agent": agent, "partner": partner}
@@ -367,6 +404,9 @@ def rollout(env, tasks, agent, partner, group_size: int = 1) -> list[Episode]:
     for ep in episodes:
         ep.reward, info = env.score(ep)
         ep.info.update(info)
+    elapsed = time.perf_counter() - start
+    for ep in episodes:
+        ep.info["rollout_s"] = elapsed
     return episodes
 
 
@@ -380,6 +420,13 @@ class TrainingBatch:
     index: list[int]             # which episodes made it in (those with a usable stream)
 
 
+MIN_EXACT_FRAC = 0.9      # below this share of exact streams a party is not trained
+
+
+class StreamError(ValueError):
+    """Too few episodes kept an exact token stream to train on."""
+
+
 def training_batch(episodes: list[Episode], key: str, pad_id: int) -> TrainingBatch:
     """Token ids + loss mask of one party's own sampled tokens, for every episode.
 
@@ -388,8 +435,14 @@ def training_batch(episodes: list[Episode], key: str, pad_id: int) -> TrainingBa
     """
     rows = [(i, ep.info["streams"][key]) for i, ep in enumerate(episodes)
             if key in ep.info.get("streams", {}) and ep.info["streams"][key].exact]
-    if not rows:
-        raise ValueError(f"no episode has an exact '{key}' stream to train on")
+    frac = len(rows) / max(1, len(episodes))
+    if frac < MIN_EXACT_FRAC:
+        # Training on the few exact streams would be a biased subset (e.g. the episodes
+        # that happened to be short): stop and say why instead.
+        raise StreamError(f"only {len(rows)} of {len(episodes)} episodes kept an exact '{key}' token stream "
+                          f"(exact_stream_frac {frac:.2f} < {MIN_EXACT_FRAC}): the chat template rewrote the "
+                          "conversation between turns, so the sampled tokens can no longer be trained on as "
+                          "sampled (see minscope/chat.py)")
     T = max(len(s.ids) for _, s in rows)
     B = len(rows)
     ids = torch.full((B, T), pad_id, dtype=torch.long)

@@ -27,6 +27,7 @@ models from a run's config.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import sys
@@ -41,8 +42,9 @@ from .envs.base import read_personas
 from .evaluate import eval_seed, evaluate_panel, isolated_rng
 from .files import save_atomic, truncate_log, write_text_atomic
 from .methods import METHODS, build_method, train_step
-from .models import adapter_state, add_adapters, load_adapter, load_adapter_state, load_model, save_adapter
-from .rollout import LMSpeaker
+from .models import (adapter_state, add_adapters, enable_checkpointing, load_adapter, load_adapter_state,
+                     load_model, save_adapter)
+from .rollout import LMSpeaker, StreamError, rollout_batch
 from .simulators import Frozen
 from .trainer import UpdateConfig
 
@@ -50,6 +52,8 @@ REAL_METHODS = tuple(m for m in METHODS if m != "oracle")   # oracle needs scrip
 TRAINS_SIMULATOR = ("cotrain", "population")   # methods with a trainable "simulator" adapter
 DEFAULT_STEPS = 250
 SAMPLING_TEMPERATURE = 0.7                     # policy and simulators during training
+TIMING_KEYS = ("seconds", "rollout_s", "update_s", "eval_s")   # wall times in metrics.jsonl
+CPU_ROLLOUT_BATCH = 32                         # episodes generated at once on a CPU
 
 
 # --------------------------------------------------------------------------- environment
@@ -309,6 +313,15 @@ def check_args(args, env):
     return personas
 
 
+def check_memory_args(args):
+    """--rollout-batch and --eval-temperature, checked before any model loads."""
+    if getattr(args, "rollout_batch", None) is not None and args.rollout_batch < 1:
+        raise SystemExit(f"--rollout-batch {args.rollout_batch}: give at least 1 episode")
+    temperature = getattr(args, "eval_temperature", None)
+    if temperature is not None and not 0 <= temperature < float("inf"):
+        raise SystemExit(f"--eval-temperature {temperature}: give 0 (greedy) or a positive number")
+
+
 def build_real_method(args, env, personas):
     """Load the models (policy, simulator, panel) and assemble the method."""
     torch.manual_seed(0)
@@ -323,15 +336,102 @@ def build_real_method(args, env, personas):
                           sim_model=models.sim_model if args.method in TRAINS_SIMULATOR else None,
                           sim_tokenizer=models.sim_tokenizer, sim_reward=env.default_simulator_reward,
                           personas=personas)
+    if not getattr(args, "no_grad_checkpointing", False):   # the trained bases recompute activations
+        for model in _trained_models(models, method):
+            enable_checkpointing(model.get_base_model())
+    set_thinking(method, models, getattr(args, "thinking", False))
     return models, method
 
 
-def evaluate_and_save(env, models, method, tasks, split, step, run_dir, best) -> tuple[dict, dict]:
-    """Evaluate the policy on `tasks` against the panel (one greedy episode each, on random
-    streams of its own), save the adapters of this step; returns (eval record, best so far)."""
+def _trained_models(models, method) -> list:
+    """The models whose adapters are trained (each once, even when they share a base)."""
+    out = {id(models.policy_model): models.policy_model}
+    if method.trains_simulator:
+        out.setdefault(id(method.partner.model), method.partner.model)
+    return list(out.values())
+
+
+def speakers_of(method, models) -> list:
+    """Every LM speaker of a run: the policy, the training partner(s) and the panel."""
+    found = [models.policy, method.policy]
+    for partner in [method.partner, *models.frozen, *(s for s, _ in models.panel.values())]:
+        found += [partner, getattr(partner, "speaker", None), *getattr(partner, "members", [])]
+    return list({id(s): s for s in found if isinstance(s, LMSpeaker)}.values())
+
+
+def set_thinking(method, models, on: bool) -> None:
+    """Let every party think (`--thinking`) or not (the default: enable_thinking=False for
+    templates that support it, e.g. Qwen3). The other party never sees the reasoning."""
+    for speaker in speakers_of(method, models):
+        speaker.thinking = on
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of KV cache per token of one stream: 2 (K, V) x layers x KV heads x head dim x
+    the dtype's size."""
+    cfg = model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    size = 2 if dtype in (torch.bfloat16, torch.float16, torch.uint8) else 4   # 4-bit bases compute in bf16
+    return 2 * cfg.num_hidden_layers * heads * head_dim * size
+
+
+def default_rollout_batch(args, env, models) -> int:
+    """How many episodes to generate at once when --rollout-batch is not given.
+
+    CPU: CPU_ROLLOUT_BATCH. CUDA: what fits in half of the GPU memory free after loading
+    the models, at the KV cache of an episode's last turn: both parties' streams of up to
+    `max_turns * max_new_tokens + 1024` tokens (1024 for the system prompts and the other
+    side's turns' headers). At the Qwen3-1.7B shape (112 KiB per token) and P4G (10 turns of
+    128 tokens) that is 2 x 2,304 x 112 KiB = 0.5 GB per episode, so 16 free GB give 32
+    episodes at once. The rest of the free memory is left for the prefill's activations and
+    the logits; these figures are estimates, not measurements."""
+    if not torch.cuda.is_available():
+        return CPU_ROLLOUT_BATCH
+    free, _ = torch.cuda.mem_get_info()
+    tokens = getattr(env, "max_turns", 10) * args.max_new_tokens + 1024
+    per_episode = 2 * tokens * kv_bytes_per_token(models.policy_model)
+    return max(1, int(0.5 * free // per_episode))
+
+
+def stream_stats(method, episodes) -> dict:
+    """exact_stream_frac (share of episodes whose trained parties' streams are all exact)
+    and the tokens the rollout fed ("prefilled") and sampled ("generated"), summed over
+    parties, where the speakers counted them."""
+    keys = ["agent"] + (["partner"] if method.trains_simulator or method.name == "selfplay" else [])
+    exact = [all(k in ep.info.get("streams", {}) and ep.info["streams"][k].exact for k in keys)
+             for ep in episodes]
+    out = {"exact_stream_frac": sum(exact) / max(1, len(exact))}
+    counts = [c for ep in episodes for c in ep.info.get("tokens", {}).values()]
+    if counts:
+        out["tokens_prefilled"] = sum(c.get("prefilled", 0) for c in counts)
+        out["tokens_generated"] = sum(c.get("generated", 0) for c in counts)
+    return out
+
+
+def eval_panel(panel: dict, temperature: float) -> dict:
+    """The panel with every LM simulator sampling at `temperature` (copies; 0 = greedy)."""
+    out = {}
+    for name, (speaker, kind) in panel.items():
+        if isinstance(speaker, LMSpeaker):
+            speaker = copy.copy(speaker)
+            speaker.temperature = temperature
+        out[name] = (speaker, kind)
+    return out
+
+
+def evaluate_and_save(env, models, method, tasks, split, step, run_dir, best,
+                      temperature: float = 0.0) -> tuple[dict, dict]:
+    """Evaluate the policy on `tasks` against the panel (one episode each, policy and
+    simulators at `temperature`: 0, greedy, as the paper evaluates; on random streams of its
+    own), save the adapters of this step; returns (eval record, best so far)."""
+    t0 = time.perf_counter()
     with isolated_rng(eval_seed(0, step)):   # evaluating does not change training's randomness
-        res = evaluate_panel(env, models.policy, models.panel, tasks, episodes_per_task=1)
-    rec = {"kind": "eval", "step": step, "split": split, "tasks": len(tasks), **panel_means(res)}
+        res = evaluate_panel(env, models.policy, eval_panel(models.panel, temperature), tasks,
+                             episodes_per_task=1, policy_temperature=temperature)
+    rec = {"kind": "eval", "step": step, "split": split, "tasks": len(tasks), **panel_means(res),
+           "eval_temperature": temperature, "eval_s": time.perf_counter() - t0}
     save_adapter(models.policy_model, "policy", run_dir / f"policy-step{step}")
     if method.trains_simulator:
         save_adapter(method.partner.model, "simulator", run_dir / f"simulator-step{step}")
@@ -346,6 +446,7 @@ def run_real(args):
         args = restore_args(args)
     env = make_env(args)                    # before loading any model: fail fast on data
     personas = check_args(args, env)
+    check_memory_args(args)
     train_tasks = env.tasks("train")
     if not train_tasks:
         raise SystemExit(f"{env.name} has no training tasks: is the data complete?")
@@ -357,6 +458,11 @@ def run_real(args):
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / "config.json", json.dumps({**vars(args), "resume": None}, indent=2))
     models, method = build_real_method(args, env, personas)
+    chunk = getattr(args, "rollout_batch", None) or default_rollout_batch(args, env, models)
+    eval_temperature = getattr(args, "eval_temperature", None) or 0.0
+    print(f"rollouts: at most {chunk} episodes at once; gradient checkpointing "
+          f"{'off' if getattr(args, 'no_grad_checkpointing', False) else 'on'}; micro-batches of "
+          f"{args.micro_batch}; evaluation at temperature {eval_temperature:g}")
     print(f"{env.name}: {len(train_tasks)} training tasks, {len(test_tasks)} {split} tasks for evaluation; "
           f"method {args.method}; run dir {run_dir}")
 
@@ -369,8 +475,9 @@ def run_real(args):
         for step in tqdm(range(start, args.steps + 1), desc=f"{args.env}/{args.method}", initial=start,
                          total=args.steps + 1):
             if step % args.eval_every == 0 or step == args.steps:
-                rec, best = evaluate_and_save(env, models, method, test_tasks[: args.groups], split, step,
-                                              run_dir, best)
+                with rollout_batch(chunk):
+                    rec, best = evaluate_and_save(env, models, method, test_tasks[: args.groups], split, step,
+                                                  run_dir, best, eval_temperature)
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
             if step == args.steps:
@@ -378,9 +485,19 @@ def run_real(args):
             t0 = time.time()
             # Tasks drawn from a per-step seed: a resumed run draws what it would have drawn.
             batch = random.Random(step).sample(train_tasks, min(args.groups, len(train_tasks)))
-            metrics = train_step(method, env, batch, args.group_size, step)
-            metrics.pop("_episodes")
-            metrics.update(kind="train", seconds=time.time() - t0)
+            try:
+                with rollout_batch(chunk):
+                    metrics = train_step(method, env, batch, args.group_size, step)
+            except StreamError as e:
+                reason = models.policy.chat.probe() or "it renders a new turn differently from the history"
+                raise SystemExit(f"error: step {step}: {e}. The policy's chat template: {reason}. "
+                                 "Use a model whose template keeps each turn's text as it was sampled "
+                                 "(Qwen3, Llama 3.x, ChatML are supported)") from None
+            episodes = metrics.pop("_episodes")
+            seconds = time.time() - t0
+            rollout_s = episodes[0].info.get("rollout_s", 0.0)
+            metrics.update(kind="train", seconds=seconds, rollout_s=rollout_s, update_s=seconds - rollout_s,
+                           **stream_stats(method, episodes))
             log.write(json.dumps(metrics) + "\n")
             log.flush()
             save_state(state_path, step, models, method, best)

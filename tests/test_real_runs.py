@@ -1,0 +1,156 @@
+"""Real-model runs (`train.py --env p4g`) with the real Qwen3 and Llama 3 chat templates, their
+memory features (gradient checkpointing, rollouts in chunks) and per-phase timings.
+
+The models are tiny random Qwen3/Llama models saved to folders with a tokenizer carrying
+the real template (tests/fixtures/templates), so train.py loads them as downloaded ones.
+"""
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import train as train_cli
+from minscope.envs.base import Episode
+from minscope.envs.p4g import P4GEnv
+from minscope.models import add_adapters, build_tiny_model, enable_checkpointing
+from minscope.real_report import training_log
+from minscope.rollout import Stream, rollout, rollout_batch
+from minscope.runner import eval_panel
+from minscope.simulators import Frozen
+from minscope.trainer import UpdateConfig, grpo_update, make_optimizer
+from test_chat_templates import Talk, make_tokenizer
+
+P4G_CSV = Path(__file__).parent / "fixtures" / "p4g" / "csv"
+TINY = ["--groups", "2", "--group-size", "2", "--steps", "2", "--eval-every", "2", "--max-new-tokens", "6"]
+
+
+@pytest.fixture(scope="module")
+def template_models(tmp_path_factory):
+    """A tiny model per real template ("qwen3" on a Qwen3 body, "llama3" on a Llama body),
+    its tokenizer trained on the P4G prompts."""
+    env = P4GEnv(P4G_CSV)
+    corpus = [m["content"] for t in env.tasks("all") for m in env.agent_messages(t) + env.partner_messages(t)]
+    root = tmp_path_factory.mktemp("template-models")
+    out = {}
+    for kind, arch in (("qwen3", "qwen3"), ("llama3", "llama"), ("broken", "qwen3")):
+        tok = make_tokenizer("qwen3" if kind == "broken" else kind, corpus, vocab_size=800)
+        if kind == "broken":   # numbers every message: the history cannot be extended turn by turn
+            tok.chat_template = ("{%- for m in messages %}{{ loop.index ~ ' ' ~ m.role ~ ': ' ~ m.content ~ "
+                                 "'<|im_end|>' }}{%- endfor %}{%- if add_generation_prompt %}{{ 'assistant: ' }}"
+                                 "{%- endif %}")
+        build_tiny_model(tok, arch, hidden_size=32, seed=0).save_pretrained(root / kind)
+        tok.save_pretrained(root / kind)
+        out[kind] = str(root / kind)
+    return out
+
+
+def train(tmp_path, model_dir, *extra, method="population"):
+    train_cli.main(["--env", "p4g", "--data", str(P4G_CSV), "--policy", model_dir, "--simulator", model_dir,
+                    "--method", method, "--runs-dir", str(tmp_path), "--name", "run", *TINY, *extra])
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(ln) for ln in lines]
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama3"])
+def test_a_real_template_run_keeps_every_stream_exact_and_logs_phase_timings(tmp_path, template_models, kind):
+    recs = train(tmp_path, template_models[kind])
+    steps = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == [0, 1]
+    for r in steps:
+        assert r["exact_stream_frac"] == 1.0
+        assert r["rollout_s"] > 0 and r["update_s"] > 0
+        assert r["rollout_s"] + r["update_s"] == pytest.approx(r["seconds"])
+        if "tokens_generated" in r:    # counted where the speakers count their tokens
+            assert r["tokens_generated"] > 0 and r["tokens_prefilled"] > 0
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2]
+    assert all(r["eval_s"] > 0 and r["eval_temperature"] == 0.0 for r in evals)
+    log = "\n".join(training_log(tmp_path / "run"))
+    assert "policy and simulators greedy" in log and "| eval_s" not in log
+    assert "Time per training step (mean over 2 steps): rollout " in log
+    assert "Exact token streams: 1.00 of the episodes" in log
+
+
+def test_a_template_that_rewrites_the_history_stops_the_run_with_a_clear_message(tmp_path, template_models):
+    with pytest.raises(SystemExit, match="exact_stream_frac 0.00 < 0.9.*chat template"):
+        train(tmp_path, template_models["broken"], method="single")
+
+
+def test_gradient_checkpointing_is_on_by_default_and_can_be_turned_off(tmp_path, template_models, capsys):
+    train(tmp_path, template_models["qwen3"], "--steps", "0", method="single")
+    assert "gradient checkpointing on" in capsys.readouterr().out
+    train(tmp_path / "b", template_models["qwen3"], "--steps", "0", "--no-grad-checkpointing", method="single")
+    assert "gradient checkpointing off" in capsys.readouterr().out
+
+
+def test_checkpointing_gives_the_same_loss_and_update_with_peft_and_the_fused_loss():
+    """Gradient checkpointing only trades memory for recomputation: one GRPO update of a
+    LoRA adapter on a tiny Qwen3 (fused log-prob path, micro-batches) gives the same loss
+    and the same adapter weights with and without it."""
+    tok = make_tokenizer("qwen3")
+    torch.manual_seed(0)
+    base = build_tiny_model(tok, "qwen3", hidden_size=32, num_layers=2)
+    gen = torch.Generator().manual_seed(0)
+    episodes = []
+    for i in range(4):
+        n = 20 + 3 * i
+        ids = torch.randint(0, len(tok), (n,), generator=gen).tolist()
+        mask = [0] * 8 + [1] * (n - 8)
+        logp = [-(1 + 0.1 * j) if m else 0.0 for j, m in enumerate(mask)]
+        episodes.append(Episode(task=i, group=i // 2, info={"streams": {"agent": Stream(ids, mask, logp)}}))
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    results = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(base)
+        layers = enable_checkpointing(model) if checkpointing else 0
+        assert layers == (2 if checkpointing else 0)
+        torch.manual_seed(1)                      # the same random adapter both times
+        model = add_adapters(model, ["policy"], init_lora_weights=False)
+        cfg = UpdateConfig(lr=1e-2, beta=0.005, micro_batch=3)
+        stats = grpo_update(model, "policy", make_optimizer(model, "policy", cfg), episodes, "agent", adv, cfg,
+                            tok.pad_token_id)
+        params = {k: v.detach().clone() for k, v in model.named_parameters() if "lora_" in k}
+        results.append((stats, params))
+    (plain, p0), (ckpt, p1) = results
+    assert ckpt["loss"] == pytest.approx(plain["loss"], abs=1e-6)
+    assert ckpt["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+    assert p0.keys() == p1.keys() and all(torch.allclose(p0[k], p1[k], atol=1e-6) for k in p0)
+
+
+def test_rollouts_play_at_most_the_rollout_batch_at_once():
+    """--rollout-batch N: whole groups, at most N episodes generated at once; group numbers
+    (which simulator serves a group, which reference a replay uses) are the same as in one go."""
+    tok = make_tokenizer("chatml")
+    torch.manual_seed(0)
+    model = build_tiny_model(tok, "qwen3", hidden_size=32)
+    seen = []
+
+    class Counting(Frozen):
+        def respond(self, episodes, env):
+            seen.append(len(episodes))
+            return super().respond(episodes, env)
+
+    agent = Counting(model, tok, max_new_tokens=3)
+    agent.role = "agent"
+    partner = Counting(model, tok, max_new_tokens=3)
+    with rollout_batch(4):
+        episodes = rollout(Talk(), ["a", "b", "c", "d", "e"], agent, partner, group_size=2)
+    assert max(seen) == 4 and len(episodes) == 10
+    assert [ep.group for ep in episodes] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert [ep.task for ep in episodes[::2]] == ["a", "b", "c", "d", "e"]
+    assert all(ep.info["rollout_s"] == episodes[0].info["rollout_s"] > 0 for ep in episodes)
+    seen.clear()
+    rollout(Talk(), ["a", "b", "c"], agent, partner, group_size=2)   # no limit: all at once
+    assert max(seen) == 6
+
+
+def test_evaluation_simulators_use_the_evaluation_temperature():
+    tok = make_tokenizer("chatml")
+    model = build_tiny_model(tok, "qwen3", hidden_size=32)
+    sim = Frozen(model, tok, temperature=0.7)
+    panel = eval_panel({"sim": (sim, "seen"), "scripted": ("not an LM", "real")}, 0.0)
+    assert panel["sim"][0].temperature == 0.0 and sim.temperature == 0.7     # a copy
+    assert panel["scripted"] == ("not an LM", "real")
+
