@@ -135,9 +135,18 @@ def _clamp(x: float) -> float:
     return min(max(x, 0.0), MAX_DONATION)
 
 
-_BASE_LOOK_BACK = 64      # characters before an amount searched for "of my" (bounds the work)
+_BASE_LOOK_BACK = 40      # characters before an amount searched for "of my" (bounds the work)
 _OBJECT_REACH = 30        # an amount this close after a negation/"keep" is its object
 _CLAUSE_BREAK = re.compile(r"[,;]|\b(?:but|and)\b")
+
+
+def _is_base(sentence: str, pos: int) -> bool:
+    """Whether "of"/"out of"/"from" (+ "my", "the", ...) comes right before the amount at
+    `pos`. Only the _BASE_LOOK_BACK characters before it are searched, and only when they
+    hold "of" or "from" at all (a cheap test first: most amounts have neither)."""
+    start = max(0, pos - _BASE_LOOK_BACK)
+    near = sentence[start:pos].lower()
+    return ("of" in near or "from" in near) and _BASE_REF.search(sentence, start, pos) is not None
 
 
 def _is_object_of(sentence: str, pos: int, blockers: list, ends: list[int]) -> bool:
@@ -171,7 +180,7 @@ def _statement_events(sentence: str) -> list[tuple[int, float]]:
                 if 1 in taken[start:end]:
                     continue
                 taken[start:end] = b"\x01" * (end - start)
-                if _BASE_REF.search(sentence, max(0, start - _BASE_LOOK_BACK), start):
+                if _is_base(sentence, start):
                     continue          # "$1 of my $2": the $2 is the base, not a gift
                 if any(_is_object_of(sentence, start, b, ends) for b, ends in blockers):
                     continue          # "I can't give $2", "keep my full $2": not a gift
