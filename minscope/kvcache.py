@@ -119,12 +119,18 @@ class KVCache:
         return len(self.owners)
 
     def reserve(self, s: int, device) -> None:
-        """Make room for `s` more positions (and clear their mask); grows by half again."""
+        """Make room for `s` more positions (and clear their mask).
+
+        `sample` reserves a whole turn (new suffix + max_new_tokens) at once, so the buffers
+        grow at most once per turn, to what the turn needs (rounded up to 64 positions).
+        Layers are regrown one at a time, so growing never holds two copies of the cache."""
         need = self.width + s
         if need > self.capacity:
-            cap = max(need, self.capacity * 3 // 2, 64)
-            self.keys = [None if k is None else _grow(k, 2, cap) for k in self.keys]
-            self.values = [None if v is None else _grow(v, 2, cap) for v in self.values]
+            cap = -(-need // 64) * 64
+            for bufs in (self.keys, self.values):
+                for i, buf in enumerate(bufs):
+                    if buf is not None:     # one layer at a time: its old buffer goes next
+                        bufs[i] = _grow(buf, 2, cap)
             self.mask = _grow(self._mask(device), 1, cap)
             self.capacity = cap
         self._mask(device)[:, self.width:need] = False
@@ -141,8 +147,10 @@ class KVCache:
     def add_rows(self, owners: list, device) -> None:
         """Append empty rows (nothing cached yet) for new conversations."""
         new = len(self.owners) + len(owners)
-        self.keys = [None if k is None else _grow(k, 0, new) for k in self.keys]
-        self.values = [None if v is None else _grow(v, 0, new) for v in self.values]
+        for bufs in (self.keys, self.values):
+            for i, buf in enumerate(bufs):
+                if buf is not None:
+                    bufs[i] = _grow(buf, 0, new)
         self.mask = _grow(self._mask(device), 0, new)
         self.mask[len(self.owners):new] = False
         self.owners += owners

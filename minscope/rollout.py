@@ -67,6 +67,7 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
     reused = cache.prepare(owners, prompts, device)
     cache.last_prefilled = [len(p) - k for p, k in zip(prompts, reused)]
     run = _Forward(model, cache, adapter_names)
+    cache.reserve(max(cache.last_prefilled) + max_new_tokens, device)    # room for the whole turn
 
     # prefill: each row's new suffix, left-padded; positions continue from its cached ids
     S = max(cache.last_prefilled)

@@ -135,10 +135,19 @@ def test_rollout_streams_train_on_the_logprobs_they_were_sampled_with(tiny_model
     assert not any(ep.info["streams"]["agent"].exact for ep in restarted)
     assert all(ep.info["streams"]["agent"].exact for ep in episodes if ep.task.turns != 7)
     for key, adapter in (("agent", "policy"), ("partner", "simulator")):
-        batch = training_batch(episodes, key, tokenizer.pad_token_id)
+        exact = [ep for ep in episodes if ep.info["streams"][key].exact]
+        batch = training_batch(exact, key, tokenizer.pad_token_id)
         logp = sequence_logprobs(model, batch.input_ids, batch.attention_mask, 1.0, adapter)
         m = batch.loss_mask.bool()
         torch.testing.assert_close(batch.old_logp[m], logp[m], atol=1e-5, rtol=1e-5)
+    for ep in restarted:   # after its restart, a stream's turns were sampled from the cropped cache
+        s = ep.info["streams"]["agent"]
+        ids = torch.tensor([s.ids])
+        logp = sequence_logprobs(model, ids, torch.ones_like(ids), 1.0, "policy")[0]
+        m = torch.tensor(s.mask[1:]).bool()
+        since = [t for t in ep.turns if t.role == "agent"][2:]      # the turns since the restart
+        assert m.sum() == sum(len(t.token_ids) for t in since) > 0
+        torch.testing.assert_close(torch.tensor(s.logp[1:])[m], logp[m], atol=1e-5, rtol=1e-5)
     for ep in episodes:
         n = {r: sum(t.role == r for t in ep.turns) for r in ("agent", "partner")}
         for role, count in ep.info["tokens"].items():
