@@ -14,8 +14,8 @@ Rows differ in history length and in how much is new each turn, so a row's real 
 not sit in one block: every turn appends the new suffix of each row at the same columns
 (left-padded), and the pads in between stay in the cache as *holes*, masked out forever.
 Each row's position ids continue from its count of real tokens, so the model sees exactly
-the positions a fresh prefill would give it. When holes make up more than half of the
-width, `compact` packs every row's real tokens to the right again.
+the positions a fresh prefill would give it. When holes make up a third of the width or
+more, `compact` packs every row's real tokens to the right again (one copy of the cache).
 
 Rows are ordered so that the rows being computed are always the FIRST rows of the buffers
 (`buffers[:n]` is a view, not a copy): a turn's batch is moved to the front, and a row
@@ -200,7 +200,7 @@ class KVCache:
             if keep < len(self.cached[r]):
                 self.crop_row(r, keep)
             reused.append(keep)
-        if self.width > 2 * max(len(c) for c in self.cached) + 64:   # mostly holes
+        if self.width > 1.5 * max(len(c) for c in self.cached) + 64:   # a third or more holes
             self.compact()
         return reused
 

@@ -164,3 +164,21 @@ def test_the_cache_lives_for_one_rollout_only(tiny_model, tokenizer):
     with session():
         assert party_cache(speaker) is party_cache(speaker)
     assert party_cache(speaker) is not party_cache(speaker)
+
+
+def test_compacting_the_holes_keeps_every_row_intact(tiny_model):
+    torch.manual_seed(4)
+    cache = KVCache()
+    widths = []
+
+    def compacted():
+        before = cache.width
+        cache.compact()
+        widths.append((before, cache.width))
+        return cache
+    for _, prompts, ids, logps, c, _ in play(tiny_model, 4, 1.0, compacted):
+        assert all(int(c.mask[r, :c.width].sum()) == len(c.cached[r]) for r in range(c.rows))
+        for p, gen, lp in zip(prompts, ids, logps):
+            torch.testing.assert_close(torch.tensor(lp), recomputed(tiny_model, p, gen, 1.0, None),
+                                       atol=1e-5, rtol=1e-5)
+    assert any(after < before for before, after in widths)       # holes were really removed
