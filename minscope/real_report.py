@@ -31,7 +31,7 @@ import torch
 
 from .evaluate import evaluate_panel, pass_hat_k, summarize
 from .models import load_adapter
-from .runner import build_models, eval_tasks, make_env
+from .runner import build_models, eval_tasks, make_env, models_thinking
 
 SUCCESS = 1.0 - 1e-6           # tau2 rewards are products of 0/1 evaluator scores
 # (label, lo, hi): lo <= donation < hi, so every amount (99.5 cents too) lands in one bin
@@ -132,6 +132,7 @@ def evaluate_run(run_dir, episodes: int = 4, trials: int = 4, checkpoint: str = 
     tasks, split = eval_tasks(env)
     tasks = tasks[:max_tasks] if max_tasks else tasks
     models = build_models(args, panel_spec=panel)
+    models_thinking(models, bool(getattr(args, "thinking", False)))   # as the run was trained
     load_adapter(models.policy_model, "policy", folder)
     per_task = trials if args.env == "tau2" else episodes
     torch.manual_seed(0)

@@ -4,10 +4,19 @@ The same `methods.train_step` as the toy experiment; what differs is where the m
 tasks come from. Policy and simulator may share one base model (then the frozen simulator
 is that base with adapters disabled, and the trainable simulator is a second adapter on
 it). Every `--eval-every` steps the policy is evaluated against the panel on the first
-`--groups` test tasks, one greedy episode each (on random streams of its own, so evaluating
-does not change training; `eval.py` evaluates every test task afterwards) and the adapters are
-saved in PEFT format; the full training state is saved every step so
-`--resume` continues an interrupted run.
+`--groups` test tasks, one episode each, policy and simulators at `--eval-temperature` (0,
+greedy, by default; on random streams of its own, so evaluating does not change training;
+`eval.py` evaluates every test task afterwards) and the adapters are saved in PEFT format;
+the full training state is saved every step so `--resume` continues an interrupted run.
+
+Memory. The trained bases use gradient checkpointing (`--no-grad-checkpointing` turns it
+off), updates run in micro-batches of `--micro-batch` sequences, and rollouts play at most
+`--rollout-batch` episodes at once (default: `default_rollout_batch`), since every live
+episode holds its KV cache until it ends. Each party's token stream is extended turn by
+turn with only the new messages' template text (`minscope.chat`); `exact_stream_frac` in
+metrics.jsonl is the share of episodes whose trained streams stayed exact, and a step below
+0.9 stops the run. metrics.jsonl also times each step's phases (`rollout_s`, `update_s`,
+and `eval_s` on evaluation records) and counts the tokens fed and sampled.
 
     run_dir/config.json         train.py's arguments (model and data paths made absolute)
            metrics.jsonl        one line per training step ("kind": "train") and per
@@ -352,11 +361,17 @@ def _trained_models(models, method) -> list:
 
 
 def speakers_of(method, models) -> list:
-    """Every LM speaker of a run: the policy, the training partner(s) and the panel."""
-    found = [models.policy, method.policy]
-    for partner in [method.partner, *models.frozen, *(s for s, _ in models.panel.values())]:
-        found += [partner, getattr(partner, "speaker", None), *getattr(partner, "members", [])]
-    return list({id(s): s for s in found if isinstance(s, LMSpeaker)}.values())
+    """Every LM speaker of a run: the policy, the training partner(s) and the panel, also
+    those inside a wrapper (Verbalized's `speaker`, an Ensemble's `members`)."""
+    found, todo = [], [models.policy, method.policy, method.partner, *models.frozen,
+                       *(s for s, _ in models.panel.values())]
+    while todo:
+        s = todo.pop()
+        if s is None or any(s is f for f in found):
+            continue
+        found.append(s)
+        todo += [getattr(s, "speaker", None), *getattr(s, "members", [])]
+    return [s for s in found if isinstance(s, LMSpeaker)]
 
 
 def set_thinking(method, models, on: bool) -> None:
@@ -364,6 +379,13 @@ def set_thinking(method, models, on: bool) -> None:
     templates that support it, e.g. Qwen3). The other party never sees the reasoning."""
     for speaker in speakers_of(method, models):
         speaker.thinking = on
+
+
+def models_thinking(models, on: bool) -> None:
+    """`set_thinking` for an evaluation (no method): the policy and the panel."""
+    for speaker in [models.policy, *(s for s, _ in models.panel.values())]:
+        if isinstance(speaker, LMSpeaker):
+            speaker.thinking = on
 
 
 def kv_bytes_per_token(model) -> int:

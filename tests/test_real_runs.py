@@ -154,3 +154,27 @@ def test_evaluation_simulators_use_the_evaluation_temperature():
     assert panel["sim"][0].temperature == 0.0 and sim.temperature == 0.7     # a copy
     assert panel["scripted"] == ("not an LM", "real")
 
+
+
+def test_thinking_reaches_every_party_of_a_run_and_of_its_evaluation():
+    """--thinking: the policy, the training partner (inside Verbalized / Ensemble too) and
+    the panel render with thinking on; eval.py sets it as the run was trained."""
+    from types import SimpleNamespace
+
+    from minscope.rollout import LMSpeaker
+    from minscope.runner import models_thinking, set_thinking
+    from minscope.simulators import Ensemble, Verbalized
+
+    tok = make_tokenizer("qwen3")
+    model = build_tiny_model(tok, "qwen3", hidden_size=32)
+    policy = LMSpeaker(model, tok, "agent")
+    a, b, c = (Frozen(model, tok, name=n) for n in "abc")
+    vs = Verbalized(a)
+    models = SimpleNamespace(policy=policy, frozen=[a], panel={"b": (b, "seen"), "c": (c, "unseen")})
+    method = SimpleNamespace(policy=policy, partner=Ensemble([vs, b]))
+    set_thinking(method, models, True)
+    assert all(s.thinking for s in (policy, vs.speaker, a, b, c))
+    assert policy.chat.render([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
+    models_thinking(models, False)
+    assert not any(s.thinking for s in (policy, b, c))
+    assert policy.chat.render([{"role": "user", "content": "hi"}]).endswith("<think>\n\n</think>\n\n")
