@@ -24,7 +24,8 @@ Text outside blocks is the message part of the turn (`ParsedTurn.content`).
 Any text parses without an exception and in time linear in its length: a number longer
 than Python's int limit (4,300 digits) is an invalid call, and a Python literal is only
 evaluated when the block is at most MAX_LITERAL_CHARS long (evaluating one costs about
-500 bytes of memory per character; longer blocks must be JSON).
+500 bytes of memory per character; longer blocks must be JSON). At most MAX_CALLS calls
+are read per turn; any beyond are dropped, with one error saying so.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 MAX_LITERAL_CHARS = 20_000   # longest block read as a Python literal (a real call is < 1 KB)
+MAX_CALLS = 32               # calls read per turn; more become one error (a real turn has 1-3)
 FORMAT_HINT = ('Write each call as <tool_call>{"name": "<tool name>", '
                '"arguments": {<JSON object>}}</tool_call>.')
 
@@ -100,7 +102,13 @@ def parse_tool_calls(text: str) -> ParsedTurn:
     content = "".join(outside).replace(CLOSE_TAG, "").strip()   # stray close tags
     calls = []
     for block in blocks:
+        if len(calls) > MAX_CALLS:
+            break
         calls.extend(_parse_block(block))
+    if len(calls) > MAX_CALLS:
+        calls = calls[:MAX_CALLS] + [ToolCallError(
+            "", f"Error: more than {MAX_CALLS} tool calls in one turn; only the first {MAX_CALLS} "
+                "were read. Make fewer calls per turn.")]
     return ParsedTurn(content=content, calls=calls)
 
 

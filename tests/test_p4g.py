@@ -350,6 +350,13 @@ def test_long_hostile_text_parses_in_linear_time(text):
     assert parse_seconds(text) < 1.0
 
 
+def test_plain_language_is_read_in_the_last_sentences_of_a_very_long_text():
+    chatter = "Nice weather today. " * 1000                 # 20 KB without a statement
+    assert parse_donation("I'll donate $1. " + chatter + "I'll give 50 cents.") == 0.5
+    assert parse_donation("[DONATE $1] " + chatter) == 1.0     # tags count anywhere
+    assert parse_donation("I'll donate $1. " + chatter) is None  # only the last 10,000 characters
+
+
 DONATION_PIECES = ["I'll give ", "donate ", "$", "1", "0.5", " ", ".", "?", "\n", "cents", "dollars",
                    "can't ", "not ", "of my ", "[DONATE ", "[give:", "]", "six", "twenty", "half a ",
                    "all of it", "keep it", "\u017f", "\u0130", "\u0131", "\u2019", "\u0663", "9" * 40]

@@ -7,9 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import minscope.toolcalls
-from minscope.toolcalls import (ParsedTurn, ToolCall, ToolCallError, format_tool_call,
-                                has_tool_call, parse_tool_calls)
+from minscope.toolcalls import (MAX_CALLS, MAX_LITERAL_CHARS, ParsedTurn, ToolCall, ToolCallError,
+                                format_tool_call, has_tool_call, parse_tool_calls)
 
 
 def only_call(text) -> ToolCall:
@@ -184,10 +183,18 @@ def test_a_python_literal_longer_than_the_cap_is_not_evaluated():
     call = "{'name': 'f', 'arguments': {}}, "
     short = "<tool_call>[" + call * 3 + "]</tool_call>"
     assert [c.name for c in parse_tool_calls(short).calls] == ["f"] * 3
-    cap = getattr(minscope.toolcalls, "MAX_LITERAL_CHARS", 100_000)
-    long = "<tool_call>[" + call * (cap // len(call) + 1) + "]</tool_call>"
+    long = "<tool_call>[" + call * (MAX_LITERAL_CHARS // len(call) + 1) + "]</tool_call>"
     (error,) = parse_tool_calls(long).calls
     assert isinstance(error, ToolCallError) and "too long" in error.message
+
+
+def test_more_calls_than_the_cap_in_one_turn_end_in_one_error():
+    many_blocks = format_tool_call("f", {}) * (MAX_CALLS + 8)
+    one_list = "<tool_call>[" + ", ".join(['{"name": "f", "arguments": {}}'] * 100) + "]</tool_call>"
+    for text in (many_blocks, one_list):
+        calls = parse_tool_calls(text).calls
+        assert len(calls) == MAX_CALLS + 1 and all(isinstance(c, ToolCall) for c in calls[:-1])
+        assert isinstance(calls[-1], ToolCallError) and f"first {MAX_CALLS}" in calls[-1].message
 
 
 def seconds(fn, *args):
@@ -207,7 +214,8 @@ def test_long_hostile_outputs_parse_in_linear_time(text):
 
 def assert_well_formed(parsed, text):
     assert isinstance(parsed, ParsedTurn) and isinstance(parsed.content, str)
-    assert len(parsed.calls) >= text.count("<tool_call>")   # one entry (at least) per block
+    blocks = text.count("<tool_call>")
+    assert min(blocks, MAX_CALLS) <= len(parsed.calls) <= MAX_CALLS + 1   # an entry per block, capped
     for call in parsed.calls:
         if isinstance(call, ToolCall):
             assert isinstance(call.name, str) and call.name == call.name.strip() and call.name

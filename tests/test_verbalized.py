@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import minscope.verbalized
 from minscope.verbalized import (
+    MAX_TEXT_CHARS,
     VS_INSTRUCTION,
     Candidate,
     VSStats,
@@ -24,7 +24,6 @@ from minscope.verbalized import (
     vs_instruction,
 )
 
-MAX_TEXT_CHARS = getattr(minscope.verbalized, "MAX_TEXT_CHARS", 64_000)
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

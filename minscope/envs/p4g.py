@@ -53,6 +53,10 @@ MAX_DONATION = 2.0
 # inside a run of digits and its digits are matched possessively (no backtracking into
 # them), the tag's whitespace is possessive too, and the checks of each amount against the
 # others, the negations and the "of my" look-back touch only the text near the amount.
+# Tags are read in the whole text; plain language only in its last MAX_PLAIN_CHARS
+# characters (from the first sentence that starts there), since the last statement counts:
+# a persuadee's messages in one conversation are ~3 KB at most in the human data.
+MAX_PLAIN_CHARS = 10_000
 
 _NUM = r"(?<!\d)(\d++(?:\.\d++)?+|\.\d++)"
 _TAG = re.compile(r"\[\s*+(?:donate|give)\s*+:?\s*+\$?\s*+" + _NUM + r"(\s*cents?)?", re.I)
@@ -188,17 +192,28 @@ def _statement_events(sentence: str) -> list[tuple[int, float]]:
     return sorted(events)
 
 
+def _last_sentences(text: str) -> str:
+    """The sentences that start in the last MAX_PLAIN_CHARS characters of `text` (all of
+    it when shorter; the cut-off tail itself when no sentence starts there)."""
+    if len(text) <= MAX_PLAIN_CHARS:
+        return text
+    tail = text[-MAX_PLAIN_CHARS:]
+    boundary = _SENTENCE.search(tail)
+    return tail[boundary.end():] if boundary else tail
+
+
 def parse_donation(text: str) -> float | None:
     """The donation a message (or several joined by newlines) states, in dollars, clamped
-    to [0, 2]; None when it states none. Tags first, plain language second; the last
-    amount stated counts. Refusals ("I won't donate") read as 0."""
+    to [0, 2]; None when it states none. Tags first, plain language second (in the last
+    MAX_PLAIN_CHARS characters); the last amount stated counts. Refusals ("I won't
+    donate") read as 0. Never raises; time linear in the text."""
     text = text.replace("\u2019", "'")
     tags = list(_TAG.finditer(text))
     if tags:
         last = tags[-1]
         return _clamp(_cents(last[1]) if last[2] else float(last[1]))
     last = None
-    for sentence in _SENTENCE.split(text):
+    for sentence in _SENTENCE.split(_last_sentences(text)):
         if not sentence.strip() or (sentence.rstrip().endswith("?") and _QUESTION.match(sentence)):
             continue
         events = _statement_events(sentence)
