@@ -31,10 +31,11 @@ only), the way train.py does.
 Columns: rollout tokens/s = tokens sampled by both parties / rollout wall time;
 prefilled = ids fed to the model outside decoding (ep.info["tokens"]); rollout_s and
 update_s (the update is the rest of train_step); peak = torch.cuda.max_memory_allocated()
-over the step (CUDA only).
+over the step (CUDA only). With --repeats N each mode runs N steps, the modes interleaved
+(a loaded machine slows whichever runs when it is busiest), and the table shows medians.
 
 Examples:
-  python bench/step.py --device cpu                       # small shape, batch 32, 4+4 turns
+  python bench/step.py --device cpu                       # small shape, single, batch 32, 4+4 turns
   python bench/step.py --device cuda --shapes 1.7b --load-in-4bit --methods population
 """
 
@@ -44,6 +45,7 @@ import argparse
 import contextlib
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -82,16 +84,20 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--shapes", default=None, help="comma list of 0.6b,1.7b,small (default: cuda 0.6b,1.7b; cpu small)")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=None, help="comma list of single,vs,population (default: cuda all, cpu single)")
     p.add_argument("--modes", default="kept,reprefill", help="comma list of kept,reprefill,legacy")
     p.add_argument("--turns", type=int, default=None, help="turns per party (default: cuda 10, cpu 4)")
     p.add_argument("--turn-tokens", type=int, default=85, help="sampled tokens per turn")
     p.add_argument("--tasks", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8, help="G: batch = tasks x G episodes")
+    p.add_argument("--rollout-batch", type=int, default=None,
+                   help="episodes generated at once (whole groups; default all): bounds the KV caches' memory")
     p.add_argument("--load-in-4bit", action="store_true", help="NF4 base (bitsandbytes, CUDA only)")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per forward/backward of the update")
     p.add_argument("--no-checkpointing", action="store_true", help="no activation checkpointing in the update")
     p.add_argument("--warmup", type=int, default=1, help="untimed short rollouts per shape first")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="steps per mode, the modes interleaved; the table shows each mode's median")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here (after each step)")
     args = p.parse_args(argv)
@@ -103,6 +109,7 @@ def parse_args(argv=None):
         p.error("--load-in-4bit needs CUDA (bitsandbytes' 4-bit kernels)")
     args.shapes = (args.shapes or ("0.6b,1.7b" if args.device == "cuda" else "small")).split(",")
     args.turns = args.turns or (10 if args.device == "cuda" else 4)
+    args.methods = args.methods or (",".join(METHODS) if args.device == "cuda" else "single")
     for name, allowed in (("shapes", SHAPES), ("methods", METHODS), ("modes", MODES)):
         value = getattr(args, name) if name == "shapes" else getattr(args, name).split(",")
         bad = [v for v in value if v not in allowed]
@@ -278,7 +285,7 @@ def measure(shape, method_name, mode_name, model, tokenizer, args) -> dict:
     torch.manual_seed(args.seed)
     methods_mod.rollout = timed_rollout
     try:
-        with mode(mode_name):
+        with mode(mode_name), rollout_mod.rollout_batch(args.rollout_batch):
             sync()
             t0 = time.perf_counter()
             methods_mod.train_step(method, env, tasks, args.group_size, step=1)
@@ -295,7 +302,24 @@ def measure(shape, method_name, mode_name, model, tokenizer, args) -> dict:
             "rollout_s": timed["rollout_s"], "update_s": total - timed["rollout_s"],
             "tokens_per_s": generated / timed["rollout_s"],
             "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-            "four_bit": args.load_in_4bit}
+            "four_bit": args.load_in_4bit, "rollout_batch": args.rollout_batch}
+
+
+def medians(rows) -> list[dict]:
+    """One row per (shape, method, mode): the median rollout/update time of its repeats."""
+    out = {}
+    for r in rows:
+        out.setdefault((r["shape"], r["method"], r["mode"]), []).append(r)
+    merged = []
+    for group in out.values():
+        row = dict(group[0], repeats=len(group))
+        for k in ("rollout_s", "update_s"):
+            row[k] = statistics.median(g[k] for g in group)
+        row["tokens_per_s"] = row["generated"] / row["rollout_s"]
+        if row["peak_bytes"] is not None:
+            row["peak_bytes"] = max(g["peak_bytes"] for g in group)
+        merged.append(row)
+    return merged
 
 
 def table(rows) -> str:
@@ -338,15 +362,17 @@ def main(argv=None):
             env = Shaped(1, args.seed)
             rollout_mod.rollout(env, env.tasks()[:args.tasks], warm.policy, warm.partner, args.group_size)
         for method_name in args.methods:
-            for mode_name in args.modes:
-                row = measure(shape, method_name, mode_name, model, tokenizer, args)
-                rows.append(row)
-                print(f"{shape} {method_name} {mode_name}: {row['rollout_s']:.2f} s rollout, "
-                      f"{row['prefilled']:,} prefilled, {row['tokens_per_s']:,.0f} tok/s, "
-                      f"{row['update_s']:.2f} s update", flush=True)
-                if args.json:
-                    Path(args.json).write_text(json.dumps(rows, indent=1))
+            for _ in range(args.repeats):
+                for mode_name in args.modes:
+                    row = measure(shape, method_name, mode_name, model, tokenizer, args)
+                    rows.append(row)
+                    print(f"{shape} {method_name} {mode_name}: {row['rollout_s']:.2f} s rollout, "
+                          f"{row['prefilled']:,} prefilled, {row['tokens_per_s']:,.0f} tok/s, "
+                          f"{row['update_s']:.2f} s update", flush=True)
+                    if args.json:
+                        Path(args.json).write_text(json.dumps(rows, indent=1))
         del model
+    rows = medians(rows)
     print()
     print(table(rows))
     print()
