@@ -182,3 +182,19 @@ def test_compacting_the_holes_keeps_every_row_intact(tiny_model):
             torch.testing.assert_close(torch.tensor(lp), recomputed(tiny_model, p, gen, 1.0, None),
                                        atol=1e-5, rtol=1e-5)
     assert any(after < before for before, after in widths)       # holes were really removed
+
+
+def test_finished_rows_leave_the_decode_batch(tiny_model):
+    sizes = []
+    hook = tiny_model.get_input_embeddings().register_forward_pre_hook(
+        lambda m, args: sizes.append(tuple(args[0].shape)))
+    try:
+        torch.manual_seed(5)
+        ids, _ = sample(tiny_model, [[5, 6, 7]] * 8, 0, EOS, 20, 1.0, check_every=2)
+    finally:
+        hook.remove()
+    decode_rows = [b for b, s in sizes if s == 1]
+    lengths = sorted(len(g) for g in ids)
+    assert lengths[0] < lengths[-1]                              # rows ended at different steps
+    assert decode_rows[0] == 8 and min(decode_rows) < 8          # ended rows stopped being computed
+    assert len(sizes) <= lengths[-1] + 1                         # and the loop ended with the last
