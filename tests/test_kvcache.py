@@ -24,8 +24,9 @@ def recomputed(model, prompt, gen, temperature, adapter):
 
 def play(model, turns, temperature, cache_of, adapters=None, check_every=4, seed=0):
     """Simulated multi-turn sampling: each turn extends every prompt by its last reply and a
-    ragged random suffix; conversation 2 ends after turn 1, conversation 5 joins at turn 2,
-    and conversation 0's history is rewritten at turn 3 (a restarted stream).
+    ragged random suffix; conversation 3 sits turn 1 out (its row waits in the cache),
+    conversation 2 ends after turn 1, conversation 5 joins at turn 2, and conversation 0's
+    history is rewritten at turn 3 (a restarted stream).
     Yields (owners, prompts, generated ids, log-probs, cache) per turn."""
     rng = random.Random(seed)
     owners = [f"c{i}" for i in range(5)]
@@ -36,14 +37,15 @@ def play(model, turns, temperature, cache_of, adapters=None, check_every=4, seed
             history["c5"] = [rng.randrange(3, 290) for _ in range(9)]
         if turn == 3:
             history["c0"] = history["c0"][:4] + [rng.randrange(3, 290) for _ in range(6)]
-        prompts = [history[o] for o in owners]
+        speaking = [o for o in owners if not (turn == 1 and o == "c3")]   # c3 sits turn 1 out
+        prompts = [history[o] for o in speaking]
         cache = cache_of()
         cache.discard(lambda o: o not in owners)
-        names = [adapters[int(o[1:]) % len(adapters)] for o in owners] if adapters else None
+        names = [adapters[int(o[1:]) % len(adapters)] for o in speaking] if adapters else None
         ids, logps = sample(model, prompts, 0, EOS, 12, temperature, adapter_names=names,
-                            cache=cache, owners=owners, check_every=check_every)
+                            cache=cache, owners=speaking, check_every=check_every)
         yield owners, prompts, ids, logps, cache, names
-        for o, gen in zip(owners, ids):
+        for o, gen in zip(speaking, ids):
             history[o] = history[o] + gen + [rng.randrange(3, 290) for _ in range(rng.randint(1, 12))]
 
 
