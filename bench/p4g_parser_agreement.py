@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from minscope.envs.p4g import MAX_DONATION, parse_donation  # noqa: E402
-from minscope.envs.p4g_data import P4GDataNotFound, load_p4g  # noqa: E402
+from minscope.envs.p4g_data import DataError, P4GDataNotFound, load_p4g  # noqa: E402
 
 
 def read_xlsx_rows(path: Path) -> list[dict]:
@@ -89,8 +89,8 @@ def main() -> None:
     args = ap.parse_args()
     try:
         corpus = load_p4g(args.data)
-    except P4GDataNotFound as e:
-        sys.exit(str(e))
+    except (P4GDataNotFound, DataError) as e:
+        sys.exit(f"error: {e}")
 
     agree, disagree, none_stated, unknown = [], [], [], 0
     for d in corpus.dialogues:
