@@ -13,10 +13,12 @@
 #      (one 1,024-token chunk, Qwen3-1.7B head) against cuBLAS, to tune `tile_config`;
 #   5. bench/step.py: one Population Co-Training step (rollout + update) at the Qwen3-1.7B
 #      shape, 4-bit, batch 32, 10+10 turns of 85 tokens, with the kept KV cache and with
-#      re-prefilling every turn (run before the memory step, which takes what is left).
+#      re-prefilling every turn (run second: it has never been measured on a GPU; the
+#      memory step, already measured, takes what is left).
 #
 # Usage:  bash bench/gpu.sh [OUT_DIR]        (default: runs/gpu-YYYYMMDD)
-#   GPU_BUDGET_S  seconds for all five steps (default 740); each step gets at most its own
+#   GPU_BUDGET_S  seconds for all five steps (default 540, so that one run fits a
+#                 10-minute command with room to start); each step gets at most its own
 #                 cap and what is left; the benchmarks save their JSON after every
 #                 measurement, so a step cut short keeps what it measured.
 #   PYTHON        the interpreter (default python3).
@@ -31,7 +33,7 @@ out=${1:-runs/gpu-$(date +%Y%m%d)}
 mkdir -p "$out"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-deadline=$(( $(date +%s) + ${GPU_BUDGET_S:-740} ))
+deadline=$(( $(date +%s) + ${GPU_BUDGET_S:-540} ))
 status=0
 
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -68,10 +70,10 @@ step() {   # step NAME FILE CAP_SECONDS COMMAND...: run within min(CAP, time lef
 
 step "Triton kernels and log-prob tests" tests.txt 120 \
     "$PY" -m pytest -q -rs tests/test_triton_logprobs.py tests/test_logprobs.py
-step "bench/logprobs.py" logprobs.md 180 \
-    "$PY" bench/logprobs.py --device cuda --timeout 90 --json "$out/logprobs.json"
 step "bench/step.py" step.md 200 \
     "$PY" bench/step.py --device cuda --shapes 1.7b --load-in-4bit --methods population --json "$out/step.json"
+step "bench/logprobs.py" logprobs.md 180 \
+    "$PY" bench/logprobs.py --device cuda --timeout 90 --json "$out/logprobs.json"
 # The memory step leaves 60 s for the tile sweep; its configurations run target-first.
 step "bench/memory.py" memory.md $(( deadline - $(date +%s) - 60 )) \
     "$PY" bench/memory.py --device cuda --repeats 1 --timeout 120 --json "$out/memory.json" \
