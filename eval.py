@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from minscope.models import quiet
+from train import whole
 
 quiet()
 
@@ -34,16 +36,16 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="a run directory written by train.py (e.g. runs/toy)")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from metrics.jsonl")
-    p.add_argument("--episodes", type=int, default=32, help="episodes per persona per panel member")
+    p.add_argument("--episodes", type=whole(1), default=32, help="episodes per persona per panel member")
     p.add_argument("--meter", action="store_true", help="toy: also measure each final policy's collapse "
                    "meter against sim-a (into eval.jsonl)")
     p.add_argument("--cache-dir", default=".cache/minscope", help="where the toy's tiny models are cached")
     # real-model runs
-    p.add_argument("--trials", type=int, default=4, help="tau2: trials per task (reports pass^1..K)")
+    p.add_argument("--trials", type=whole(1), default=4, help="tau2: trials per task (reports pass^1..K)")
     p.add_argument("--checkpoint", default="latest", help="real runs: latest | best | a step number")
     p.add_argument("--panel", help="real runs: replace the run's panel (train.py --panel syntax)")
-    p.add_argument("--max-tasks", type=int, help="real runs: evaluate only the first N test tasks")
-    p.add_argument("--transcripts", type=int, default=3, help="real runs: transcripts per panel member")
+    p.add_argument("--max-tasks", type=whole(1), help="real runs: evaluate only the first N test tasks")
+    p.add_argument("--transcripts", type=whole(0), default=3, help="real runs: transcripts per panel member")
     return p.parse_args(argv)
 
 
@@ -53,18 +55,21 @@ def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) ->
 
     from minscope import experiment
     from minscope.evaluate import collapse_meter, evaluate_panel
+    from minscope.files import load_state
     from minscope.models import load_adapter_state
     from minscope.report import fmt, label
 
     toy = experiment.Toy(cfg, cache_dir, progress=False)
-    rows, out = [], (run_dir / "eval.jsonl").open("w")
+    # the new results are written beside eval.jsonl and replace it at the end: a crash or
+    # Ctrl-C halfway leaves the previous results as they were
+    rows, out = [], (run_dir / "eval.jsonl.tmp").open("w")
     for method, seed in cfg.arms():
         arm = experiment.arm_name(method, seed)
         for which in ("final", "best"):
             path = run_dir / "arms" / (f"{arm}.pt" if which == "final" else f"{arm}.best.pt")
             if not path.exists():
                 continue
-            state = torch.load(path, weights_only=False)
+            state = load_state(path, needs=("step", "policy"))
             policy = toy.policy()
             load_adapter_state(policy.model, "policy", state["policy"])
             torch.manual_seed(seed)
@@ -77,6 +82,7 @@ def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) ->
             out.write(json.dumps(rec) + "\n")
             rows.append(rec)
     out.close()
+    os.replace(run_dir / "eval.jsonl.tmp", run_dir / "eval.jsonl")
     lines = ["## Re-evaluation of saved checkpoints (`python eval.py`)", "",
              f"{episodes} episodes per persona per panel member; mean over seeds.", "",
              "| method | checkpoint | real users | seen sims | unseen sims |", "|---|---|---|---|---|"]
@@ -92,13 +98,16 @@ def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) ->
 
 
 def main(argv=None):
+    from minscope.files import read_json, read_jsonl
+
     args = parse_args(argv)
     if args.report_only and args.meter:
         raise SystemExit("--meter measures policies, --report-only measures nothing: pass one of them")
     run_dir = Path(args.run_dir)
     if not (run_dir / "metrics.jsonl").exists():
         raise SystemExit(f"{run_dir} has no metrics.jsonl: pass a directory written by train.py")
-    config = json.loads((run_dir / "config.json").read_text())
+    config = read_json(run_dir / "config.json")
+    read_jsonl(run_dir / "metrics.jsonl")    # a damaged log: one message naming it, before any work
     if "models" not in config:       # a real-model run (train.py --env p4g / tau2 / wordgame)
         from minscope.real_report import write_real_report
 
@@ -110,9 +119,7 @@ def main(argv=None):
         return
     from minscope import experiment, report
 
-    models = experiment.ToyModelConfig(**config.pop("models"))
-    cfg = experiment.ToyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items()},
-                               models=models)
+    cfg = experiment.load_config(run_dir / "config.json")
     extra = "" if args.report_only else reevaluate_toy(run_dir, cfg, args.episodes, args.meter, args.cache_dir)
     report.write_report(run_dir, experiment.reference_values(cfg.gamma), extra_md=extra)
     print(f"wrote {run_dir / 'report.md'}")

@@ -18,7 +18,7 @@ Real models and benchmarks:
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -28,15 +28,50 @@ from minscope.models import quiet
 quiet()
 
 
-def parse_args(argv=None):
+def whole(lo: int):
+    """An argparse type: a whole number >= lo, with a message that says so."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be {lo} or more, not {value}")
+        return value
+    parse.__name__ = f"whole number >= {lo}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (a learning rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text}")
+    return value
+
+
+# Settings of real-model runs, and their defaults. Their command-line default is None, so
+# that a toy run and a --resume can tell a flag that was given from one that was not.
+REAL_DEFAULTS = dict(method="single", domain="retail", panel="", groups=16, group_size=8, lr=1e-5,
+                     sim_lr=1e-5, eval_every=16, max_new_tokens=128, micro_batch=8)
+REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "panel", "load_in_4bit",
+             "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
+             "no_grad_checkpointing", "thinking")
+TOY_ONLY = ("quick", "methods", "ablations", "seeds", "workers", "cache_dir")
+
+
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--env", default="toy", choices=["toy", "p4g", "tau2", "wordgame"],
                    help="environment (default: the built-in toy persuasion experiment)")
     p.add_argument("--quick", action="store_true", help="toy: a ~2 minute smoke run of the same code path (too small to show the effect)")
     p.add_argument("--name", help="run name: results go to RUNS_DIR/NAME (default: toy / toy-quick / env-method)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its saved state")
-    p.add_argument("--runs-dir", default="runs", help="where runs are written (default: runs)")
-    p.add_argument("--cache-dir", default=".cache/minscope", help="toy: where the tiny models are cached")
+    p.add_argument("--runs-dir", help="where runs are written (default: runs)")
+    p.add_argument("--cache-dir", help="toy: where the tiny models are cached (default: .cache/minscope)")
     p.add_argument("--methods", help="toy: comma-separated arms (default: all). Choices: "
                    "base,single,vs,ensemble,cotrain,population,oracle")
     p.add_argument("--ablations", help="toy: comma-separated Co-Training variants run with seed 0 "
@@ -46,29 +81,30 @@ def parse_args(argv=None):
                    "BC on real transcripts), group|batch (simulator baseline; default group-wise, "
                    "batch-wide for curriculum, which group refuses), joined by '+'")
     p.add_argument("--seeds", help="toy: comma-separated seeds (default: 0,1,2)")
-    p.add_argument("--steps", type=int, help="policy updates per arm")
-    p.add_argument("--workers", type=int, help="toy: arms trained in parallel processes, one CPU "
+    p.add_argument("--steps", type=whole(0), help="policy updates per arm")
+    p.add_argument("--workers", type=whole(1), help="toy: arms trained in parallel processes, one CPU "
                    "thread each (default 2; use the number of cores)")
     # real models
-    p.add_argument("--method", default="single", help="real env: single|vs|ensemble|persona|cotrain|"
+    p.add_argument("--method", help="real env: single (default)|vs|ensemble|persona|cotrain|"
                    "population|selfplay|population-selfplay")
     p.add_argument("--personas", help="--method persona: a text file of simulator personas, one per "
                    "paragraph (default: the environment's bank; tau2: minscope/envs/personas.txt)")
     p.add_argument("--data", help="p4g: path to the Persuasion for Good data (CSV release or ConvoKit dir)")
-    p.add_argument("--domain", default="retail", help="tau2: mock | airline | retail")
+    p.add_argument("--domain", help="tau2: mock | airline | retail (default)")
     p.add_argument("--policy", help="policy model: Hugging Face name or local path")
     p.add_argument("--simulator", help="simulator model (default: same base as the policy)")
-    p.add_argument("--panel", default="", help="held-out evaluation simulators, comma-separated "
+    p.add_argument("--panel", help="held-out evaluation simulators, comma-separated "
                    "models or adapter dirs; prefix with 'unseen:' to mark unseen ones")
     p.add_argument("--load-in-4bit", action="store_true", help="4-bit NF4 base (CUDA + bitsandbytes)")
-    p.add_argument("--groups", type=int, default=16, help="real env: tasks per step")
-    p.add_argument("--group-size", type=int, default=8, help="real env: trajectories per task (G)")
-    p.add_argument("--lr", type=float, default=1e-5, help="real env: policy LoRA learning rate")
-    p.add_argument("--sim-lr", type=float, default=1e-5, help="real env: simulator LoRA learning rate")
-    p.add_argument("--eval-every", type=int, default=16, help="real env: evaluate every N steps")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="real env: per-turn token cap")
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward")
-    p.add_argument("--rollout-batch", type=int, metavar="N", help="real env: at most N episodes generated "
+    p.add_argument("--groups", type=whole(1), help="tasks per step (real env default 16; toy: ToyConfig)")
+    p.add_argument("--group-size", type=whole(2), help="trajectories per task, G (real env default 8; "
+                   "toy: ToyConfig); GRPO compares them, so at least 2")
+    p.add_argument("--lr", type=positive_float, help="real env: policy LoRA learning rate (default 1e-5)")
+    p.add_argument("--sim-lr", type=positive_float, help="real env: simulator LoRA learning rate (default 1e-5)")
+    p.add_argument("--eval-every", type=whole(1), help="evaluate every N steps (real env default 16; toy: ToyConfig)")
+    p.add_argument("--max-new-tokens", type=whole(1), help="real env: per-turn token cap (default 128)")
+    p.add_argument("--micro-batch", type=whole(1), help="real env: sequences per forward/backward (default 8)")
+    p.add_argument("--rollout-batch", type=whole(1), metavar="N", help="real env: at most N episodes generated "
                    "at once (default: what fits in half the free GPU memory; 32 on CPU)")
     p.add_argument("--eval-temperature", type=float, metavar="T", help="real env: sampling temperature of "
                    "the policy and the panel during evaluation (default 0: greedy, as the paper evaluates)")
@@ -76,7 +112,113 @@ def parse_args(argv=None):
                    "activations for the backward pass (faster, far more memory; default: recompute them)")
     p.add_argument("--thinking", action="store_true", help="real env: let thinking chat templates (Qwen3) "
                    "think; default enable_thinking=False for both parties")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    """The command line, checked: every mistake is one message (exit code 2) before any
+    model is loaded or any folder is created."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def given(args) -> list[str]:
+    """The settings given on the command line (every default is None or False)."""
+    return [k for k, v in vars(args).items() if v is not None and v is not False]
+
+
+def split_list(p, key: str, text: str) -> list[str]:
+    items = [s.strip() for s in text.split(",")]
+    if not all(items):
+        p.error(f"{flag(key)} {text!r}: an empty entry; give a comma-separated list")
+    return items
+
+
+def check_toy_args(p, args):
+    """Toy flags: known arms and variants, whole seeds; real-model flags are refused."""
+    from minscope.experiment import TOY_METHODS, TOY_VARIANTS
+
+    real = [flag(k) for k in REAL_ONLY if k in given(args)]
+    if real:
+        p.error(f"{', '.join(real)}: for real-model runs (--env p4g|tau2|wordgame); the toy experiment "
+                "trains the arms of --methods (choices: " + ",".join(TOY_METHODS) + ")")
+    if args.methods:
+        bad = [m for m in split_list(p, "methods", args.methods) if m not in TOY_METHODS]
+        if bad:
+            p.error(f"--methods: unknown arm(s) {', '.join(bad)}; choose from {','.join(TOY_METHODS)}")
+    if args.ablations and args.ablations.strip() != "none":
+        for entry in split_list(p, "ablations", args.ablations):
+            method, _, variant = entry.partition(":")
+            tweaks = variant.split("+") if variant else []
+            if method not in TOY_METHODS or not all(t in TOY_VARIANTS for t in tweaks):
+                p.error(f"--ablations: cannot read {entry!r}; write METHOD:VARIANT[+VARIANT], METHOD one of "
+                        f"{','.join(TOY_METHODS)}, VARIANT one of {'|'.join(TOY_VARIANTS)}")
+    if args.seeds:
+        seeds = split_list(p, "seeds", args.seeds)
+        if not all(s.isdigit() for s in seeds):
+            p.error(f"--seeds {args.seeds!r}: give whole numbers >= 0, comma-separated (e.g. 0,1,2)")
+        if len(set(map(int, seeds))) != len(seeds):
+            p.error(f"--seeds {args.seeds!r}: a seed is repeated")
+
+
+def check_real_args(p, args):
+    """Real-model flags: the toy's are refused; the defaults are filled in."""
+    toy = [flag(k) for k in TOY_ONLY if k in given(args)]
+    if toy:
+        p.error(f"{', '.join(toy)}: for the toy experiment (--env toy), not --env {args.env}")
+    from minscope.runner import REAL_METHODS
+
+    if args.method is not None and args.method not in REAL_METHODS:
+        p.error(f"--method {args.method!r}: choose one of {', '.join(REAL_METHODS)}")
+
+
+def check_resume(p, args):
+    """--resume continues a run with its saved settings: a flag that would change one is
+    refused (a silent no-op would be worse); --steps extends a real run."""
+    from minscope.files import read_json
+
+    saved = read_json(Path(args.resume) / "config.json") if (Path(args.resume) / "config.json").is_file() else None
+    if saved is None:
+        return                     # run_toy / run_real say that no config.json is there
+    toy = "models" in saved
+    keep = {"resume", "env", "runs_dir"} | ({"workers", "cache_dir"} if toy else {"steps"})
+    if toy and args.steps is not None and args.steps != saved.get("steps"):
+        return                     # run_toy explains that a toy run keeps its steps
+    from minscope.runner import resolve_path
+
+    changed = []
+    for key in given(args):
+        if key in keep or (toy and key == "steps"):
+            continue
+        new = getattr(args, key)
+        if key in ("policy", "simulator", "data", "personas"):
+            new = resolve_path(new)
+        if toy or saved.get(key) != new:
+            changed.append(flag(key))
+    if changed:
+        p.error(f"--resume {args.resume} continues the run with the settings in its config.json; "
+                f"{', '.join(changed)} would change them. Drop {'it' if len(changed) == 1 else 'them'}, "
+                "or start a new run (another --name) with the settings you want")
+
+
+def check_args(p, args):
+    if args.resume:
+        check_resume(p, args)
+    elif args.env == "toy":
+        check_toy_args(p, args)
+    else:
+        check_real_args(p, args)
+        for key, value in REAL_DEFAULTS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    args.runs_dir = args.runs_dir or "runs"
+    args.cache_dir = args.cache_dir or ".cache/minscope"
 
 
 def run_toy(args):
@@ -87,17 +229,15 @@ def run_toy(args):
         run_dir = Path(args.resume)
         if not (run_dir / "config.json").is_file():
             raise SystemExit(f"--resume {run_dir}: no config.json there; pass a run directory written by train.py")
-        saved = json.loads((run_dir / "config.json").read_text())
-        models = experiment.ToyModelConfig(**saved.pop("models"))
-        cfg = experiment.ToyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()},
-                                   models=models)
+        cfg = experiment.load_config(run_dir / "config.json")
         if args.steps is not None and args.steps != cfg.steps:
             raise SystemExit(f"--steps {args.steps}: a toy run keeps its settings on --resume ({cfg.steps} "
                              "steps); start a new run with --name to train longer")
         if args.workers:                    # how many processes share the arms: no effect on results
             cfg = replace(cfg, workers=args.workers)
-        runs_dir = run_dir.parent
+        runs_dir = run_dir.parent           # (unused: the run continues in run_dir itself)
     else:
+        run_dir = None
         cfg = experiment.ToyConfig.quick() if args.quick else experiment.ToyConfig()
         over = {}
         if args.name:
@@ -113,12 +253,15 @@ def run_toy(args):
             over["steps"] = args.steps
         if args.workers:
             over["workers"] = args.workers
+        for key in ("groups", "group_size", "eval_every"):
+            if getattr(args, key) is not None:
+                over[key] = getattr(args, key)
         cfg = replace(cfg, **over)
         runs_dir = Path(args.runs_dir)
     print("minscope toy experiment — settings:")
     for f in fields(cfg):
         print(f"  {f.name:14s} {getattr(cfg, f.name)}")
-    run_dir = experiment.run(cfg, runs_dir, args.cache_dir, resume=bool(args.resume))
+    run_dir = experiment.run(cfg, runs_dir, args.cache_dir, resume=bool(args.resume), run_dir=run_dir)
     reference = experiment.reference_values(cfg.gamma)
     results = report.write_report(run_dir, reference)
     print(f"\nresults: {run_dir}/report.md\n")
@@ -133,11 +276,14 @@ def run_toy(args):
 
 
 def main(argv=None):
+    from minscope.errors import RunStopped
+    from minscope.files import read_json
+
     args = parse_args(argv)
     if args.resume and args.env == "toy":
         saved = Path(args.resume) / "config.json"
-        if saved.exists() and "models" not in json.loads(saved.read_text()):
-            args.env = json.loads(saved.read_text()).get("env", args.env)   # a real-model run
+        if saved.exists() and "models" not in read_json(saved):
+            args.env = read_json(saved).get("env", args.env)   # a real-model run
     try:
         if args.env == "toy":
             run_toy(args)
@@ -145,6 +291,9 @@ def main(argv=None):
             from minscope.runner import run_real
 
             run_real(args)
+    except RunStopped as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         default = ("toy-quick" if args.quick else "toy") if args.env == "toy" else f"{args.env}-{args.method}"
         where = args.resume or Path(args.runs_dir) / (args.name or default)

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from .envs.toy import RealUsers, ToyEnv, World
 from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
-from .files import save_atomic, truncate_log, write_text_atomic
+from .files import RunLock, load_state, read_jsonl, save_atomic, truncate_log, write_text_atomic
 from .methods import Method, build_method, train_step
 from .models import adapter_state, add_adapters, load_adapter_state
 from .rollout import LMSpeaker
@@ -43,6 +43,8 @@ from .toy_models import ToyModelConfig, ToyModels, fidelity, fidelity_problems, 
 from .trainer import UpdateConfig
 
 TOY_METHODS = ("base", "single", "vs", "ensemble", "cotrain", "population", "oracle")
+# what may follow the colon of an ablation arm, joined by "+" (see Toy.method)
+TOY_VARIANTS = ("adversarial", "cooperative", "curriculum", "anchor", "group", "batch")
 
 
 @dataclass
@@ -98,6 +100,18 @@ class ToyConfig:
                                           sim_steps=150, policy_steps=100, batch=32))
         base.update(kw)
         return cls(**base)
+
+
+def load_config(path) -> ToyConfig:
+    """The ToyConfig saved in a run's config.json, or one message naming the file."""
+    from .files import RunFileError, read_json
+
+    saved = read_json(path)
+    try:
+        models = ToyModelConfig(**saved.pop("models"))
+        return ToyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}, models=models)
+    except (KeyError, TypeError) as e:
+        raise RunFileError(f"{path} is not the config.json of a toy run ({e})") from None
 
 
 def reference_values(gamma: float) -> dict:
@@ -273,7 +287,7 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
     m = toy.method(method, seed)
     start, best = 0, {"panel": -1.0}
     if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
+        state = load_state(state_path)
         load_arm_state(m, state)
         start, best = state["step"] + 1, state.get("best", best)
         if state.get("finished"):
@@ -329,6 +343,17 @@ class MetricsLog:
 _WORKER_TOY = {}
 
 
+def _worker_init():
+    """A worker of the arms' pool: as `worker_init`, and deaf to Ctrl-C. The terminal sends
+    SIGINT to every process of the group; the parent alone decides, and stops the workers
+    (each arm's state is saved after every step, atomically, so a killed worker loses at
+    most the step in progress)."""
+    import signal
+
+    worker_init()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _arm_worker(job):
     """Run one arm in a worker process. The Toy set-up (the frozen tiny models) is loaded
     once per process and shared by its arms: every arm copies what it trains."""
@@ -341,15 +366,60 @@ def _arm_worker(job):
     return _run_logged(_WORKER_TOY[key], method, seed, Path(run_dir), stop_after, progress=False)
 
 
+def run_pool(fn, jobs: list, workers: int, on_result, initializer=_worker_init) -> None:
+    """fn(job) for every job in `workers` spawned processes; on_result(result) as each
+    finishes. Ctrl-C (or a failed job) stops every worker at once, queued jobs included,
+    and is raised here; the workers themselves ignore Ctrl-C (see `_worker_init`)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=initializer) as pool:
+        futures = [pool.submit(fn, job) for job in jobs]
+        try:
+            for fut in as_completed(futures):
+                on_result(fut.result())
+        except BaseException:
+            _stop_workers(pool)
+            raise
+
+
+def _stop_workers(pool) -> None:
+    """Cancel the queued arms and end the running ones now (after Ctrl-C or a failed arm).
+    Each arm saved its state after its last finished step, atomically: ending a worker
+    mid-step loses that step only. (Python 3.14 has pool.terminate_workers(); before it,
+    the pool's processes are reached directly.)"""
+    if hasattr(pool, "terminate_workers"):
+        pool.terminate_workers()
+        return
+    running = list((getattr(pool, "_processes", None) or {}).values())   # shutdown forgets them
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in running:
+        proc.terminate()
+
+
 def _run_logged(toy, method, seed, run_dir: Path, stop_after=None, progress=True):
     arms = run_dir / "arms"
     arms.mkdir(exist_ok=True)
     log = MetricsLog(arms / f"{arm_name(method, seed)}.jsonl")
     state_path = arms / f"{arm_name(method, seed)}.pt"
-    log.trim(torch.load(state_path, weights_only=False)["step"] if state_path.exists() else -1)
+    log.trim(load_state(state_path)["step"] if state_path.exists() else -1)
     run_arm(toy, method, seed, run_dir, log, stop_after, progress)
-    last = [json.loads(l) for l in log.path.read_text().splitlines() if json.loads(l)["kind"] == "eval"][-1]
+    last = [r for r in read_jsonl(log.path) if r["kind"] == "eval"][-1]
     return method, seed, last["real_users"]
+
+
+def check_saved_arms(run_dir: Path, cfg: ToyConfig) -> None:
+    """Before a resumed run starts any worker: every arm's saved state must load and every
+    log must read (a half-written last line, left by a kill, is dropped with a note by the
+    arm itself); otherwise one message naming the damaged file (files.RunFileError)."""
+    for method, seed in cfg.arms():
+        arm = run_dir / "arms" / arm_name(method, seed)
+        for path in (arm.with_suffix(".pt"), arm.parent / f"{arm.name}.best.pt"):
+            if path.exists():
+                load_state(path)
+        log = arm.parent / f"{arm.name}.jsonl"
+        if log.exists():
+            read_jsonl(log, warn=lambda msg: None)   # the note comes when the arm trims it
 
 
 def merge_metrics(run_dir: Path, cfg: ToyConfig) -> Path:
@@ -364,13 +434,25 @@ def merge_metrics(run_dir: Path, cfg: ToyConfig) -> Path:
 
 
 def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bool = False,
-        log=print, progress=True, stop_after: int | None = None) -> Path:
-    """Run every arm of the toy experiment; returns the run directory."""
-    run_dir = Path(runs_dir) / cfg.name
+        log=print, progress=True, stop_after: int | None = None, run_dir=None) -> Path:
+    """Run every arm of the toy experiment; returns the run directory: `run_dir` when given
+    (a resumed run continues in its own folder, wherever it was moved or copied), else
+    RUNS_DIR/NAME. One process at a time trains in a run folder (files.RunLock)."""
+    run_dir = Path(run_dir) if run_dir is not None else Path(runs_dir) / cfg.name
     if run_dir.exists() and not resume and any(run_dir.iterdir()):
         raise SystemExit(f"{run_dir} already exists: pass --resume {run_dir} to continue it, "
                          f"or --name NEW to start another run")
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir).acquire()
+    try:
+        return _run(cfg, run_dir, cache_dir, resume, log, progress, stop_after)
+    finally:
+        lock.release()
+
+
+def _run(cfg: ToyConfig, run_dir: Path, cache_dir, resume: bool, log, progress, stop_after) -> Path:
+    if resume:
+        check_saved_arms(run_dir, cfg)
     write_text_atomic(run_dir / "config.json", json.dumps(asdict(cfg), indent=2, default=list))
     models = ToyModels(cache_dir, cfg.models, progress=progress, log=log)
     models.build()
@@ -396,17 +478,15 @@ def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bo
             _, _, score = _run_logged(toy, method, seed, run_dir, stop_after, progress)
             log(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}")
     else:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
         log(f"training {len(jobs)} arms in {cfg.workers} processes ...")
-        with ProcessPoolExecutor(cfg.workers, mp_context=mp.get_context("spawn"),
-                                 initializer=worker_init) as pool:
-            futures = [pool.submit(_arm_worker, (cfg, str(cache_dir), str(run_dir), m, s, stop_after))
-                       for m, s in jobs]
-            bar = tqdm(as_completed(futures), total=len(futures), desc="arms", disable=not progress)
-            for fut in bar:
-                method, seed, score = fut.result()
-                bar.write(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}")
+        bar = tqdm(total=len(jobs), desc="arms", disable=not progress)
+
+        def done(result):
+            method, seed, score = result
+            bar.update()
+            bar.write(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}")
+        run_pool(_arm_worker, [(cfg, str(cache_dir), str(run_dir), m, s, stop_after) for m, s in jobs],
+                 cfg.workers, done)
+        bar.close()
     merge_metrics(run_dir, cfg)
     return run_dir

@@ -1,14 +1,27 @@
-"""Files that an interruption cannot leave half-written: write a temporary file next to the
-target, then rename it over the target (`os.replace` is atomic on one file system). Every
-piece of run state that `--resume` reads back goes through these functions."""
+"""Files that an interruption cannot leave half-written, and the checks that read them back.
+
+Writes: a temporary file next to the target, then a rename over the target (`os.replace` is
+atomic on one file system). Every piece of run state that `--resume` reads back goes through
+these functions. Reads: a damaged file stops the run with one message naming the file
+(`RunFileError`), except the one damage an interruption does leave behind, a half-written
+last line of an append-only JSONL log, which is dropped with a note.
+
+`RunLock` keeps two processes from training in one run folder at once.
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
+
+
+class RunFileError(SystemExit):
+    """A run's file cannot be read back: the message names it (no traceback)."""
 
 
 def _replace(path, write) -> None:
@@ -28,11 +41,137 @@ def write_text_atomic(path: Path, text: str) -> None:
     _replace(path, lambda tmp: tmp.write_text(text))
 
 
+def note(msg: str) -> None:
+    print(f"note: {msg}", file=sys.stderr)
+
+
+def read_jsonl(path: Path, warn=note) -> list[dict]:
+    """The records of a JSONL log. A last line that does not parse is what a kill during a
+    write leaves: it is dropped, with a note. Any other bad line means the file is damaged:
+    RunFileError naming the file and the line."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RunFileError(f"{path}: cannot read it ({e})") from None
+    numbered = [(i + 1, ln) for i, ln in enumerate(lines) if ln.strip()]
+    out = []
+    for k, (lineno, ln) in enumerate(numbered):
+        try:
+            rec = json.loads(ln)
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if k == len(numbered) - 1:
+                warn(f"{path}: dropping its half-written last line {lineno} (left by an interrupted write)")
+                break
+            raise RunFileError(f"{path} is damaged: line {lineno} is not a JSON record ({e}); "
+                               "fix or remove that line") from None
+        out.append(rec)
+    return out
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object (config.json, best.json), or RunFileError naming the file."""
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RunFileError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise RunFileError(f"{path} is damaged: not readable JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise RunFileError(f"{path} is damaged: expected a JSON object, found {type(obj).__name__}")
+    return obj
+
+
+def load_state(path: Path, needs=("step",)) -> dict:
+    """torch.load of a saved state, or RunFileError naming the file (empty, truncated, or
+    not a state written by train.py)."""
+    path = Path(path)
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as e:   # torch raises RuntimeError, EOFError, UnpicklingError, ... by damage
+        raise RunFileError(f"{path} is damaged ({type(e).__name__}: {e}); it cannot be resumed. "
+                           "Delete it to restart that part of the run from scratch") from None
+    missing = [k for k in needs if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise RunFileError(f"{path} is not a state saved by train.py (no {', '.join(missing)})")
+    return state
+
+
 def truncate_log(path: Path, last_step: int) -> None:
     """Keep the lines of a JSONL metrics log up to step `last_step`: a resumed run redoes
     the steps after its saved state, and must not log them twice."""
     path = Path(path)
     if path.exists():
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        kept = [ln for ln in lines if json.loads(ln).get("step", 0) <= last_step]
-        write_text_atomic(path, "".join(ln + "\n" for ln in kept))
+        kept = [r for r in read_jsonl(path) if r.get("step", 0) <= last_step]
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+# --------------------------------------------------------------------------- run lock
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (signal 0 checks without sending anything)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:       # exists, owned by someone else
+        return True
+    return True
+
+
+class RunLock:
+    """`RUN_DIR/lock` holds the pid of the process training in RUN_DIR. A second process is
+    refused while that pid is alive; a lock whose process is gone (killed, crashed) is taken
+    over with a note. The lock is removed by `release()` or when the process exits."""
+
+    def __init__(self, run_dir, warn=note):
+        self.path = Path(run_dir) / "lock"
+        self.warn = warn
+        self.held = False
+
+    def holder(self) -> int | None:
+        try:
+            return int(self.path.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None      # gone, or half-written by a process killed while taking it
+
+    def acquire(self) -> "RunLock":
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                pid = self.holder()
+                if pid == os.getpid():           # this process holds it already
+                    self.held = True
+                    return self
+                if pid is not None and pid_alive(pid):
+                    raise RunFileError(
+                        f"{self.path.parent} is in use: process {pid} is training in it (see {self.path}). "
+                        f"Wait for it to finish or stop it; if process {pid} is not a run of this "
+                        f"folder, delete {self.path}")
+                self.warn(f"{self.path}: taking over the lock of process {pid}, which is no longer "
+                          "running (an interrupted or killed run)")
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{os.getpid()}\n")
+            self.held = True
+            atexit.register(self.release)
+            return self
+        raise RunFileError(f"{self.path}: could not take the lock (another process keeps taking it)")
+
+    def release(self) -> None:
+        if self.held and self.holder() == os.getpid():
+            self.path.unlink(missing_ok=True)
+        self.held = False
+        atexit.unregister(self.release)
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .evaluate import evaluate_panel, pass_hat_k, summarize
+from .files import read_json, read_jsonl
 from .models import load_adapter
 from .runner import build_models, eval_tasks, make_env, models_thinking
 
@@ -126,7 +127,7 @@ def evaluate_run(run_dir, episodes: int = 4, trials: int = 4, checkpoint: str = 
     "summary", "episodes"}}. panel: a train.py-style panel spec replacing the run's.
     """
     run_dir = Path(run_dir)
-    args = argparse.Namespace(**json.loads((run_dir / "config.json").read_text()))
+    args = argparse.Namespace(**read_json(run_dir / "config.json"))
     step, folder = pick_checkpoint(run_dir, checkpoint)
     env = make_env(args)
     tasks, split = eval_tasks(env)
@@ -222,7 +223,7 @@ def tau2_sections(members: dict, domain: str, trials: int) -> list[str]:
 def training_log(run_dir: Path) -> list[str]:
     """The evaluations train.py logged, and the training reward's first and last values."""
     path = run_dir / "metrics.jsonl"
-    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    recs = read_jsonl(path) if path.exists() else []   # a damaged log: one message naming it
     evals = [r for r in recs if r.get("kind") == "eval"]
     train = [r["train_reward"] for r in recs if r.get("kind") == "train"]
     out = ["## Training log", ""]
@@ -301,7 +302,7 @@ def transcripts(members: dict, names, n: int) -> list[str]:
 
 def render_report(run_dir: Path, result: dict | None, transcripts_per_member: int = 3) -> str:
     run_dir = Path(run_dir)
-    cfg = json.loads((run_dir / "config.json").read_text())
+    cfg = read_json(run_dir / "config.json")
     lines = [f"# {run_dir.name}: evaluation", "",
              f"Environment `{cfg['env']}`" + (f" (domain {cfg['domain']})" if cfg["env"] == "tau2" else "") +
              f", method `{cfg['method']}`, policy `{cfg['policy']}`, simulator "

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import read_jsonl
+
 LABELS = {"base": "Base (untrained)", "single": "RL (Single)", "vs": "Verbalized Sampling",
           "ensemble": "Ensemble (K=3)", "persona": "Persona-Guided", "cotrain": "Co-Training",
           "population": "Population Co-Training", "oracle": "Oracle (trained on real users)"}
@@ -160,7 +162,7 @@ def fmt(x, nd=3):
 
 def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
     run_dir = Path(run_dir)
-    records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_jsonl(run_dir / "metrics.jsonl")   # a damaged log: one message naming it
     results = summarize(records, reference)
     (run_dir / "results.json").write_text(json.dumps(results, indent=2))
     images = plots(records, run_dir)

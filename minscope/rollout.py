@@ -402,8 +402,30 @@ def rollout(env, tasks, agent, partner, group_size: int = 1, max_batch: int | No
                     if step.next_speaker is None:
                         ep.done = True
             live = [ep for ep in live if not ep.done]
+    # Scoring is the environment boundary. An evaluator that raises on one episode (tau2's
+    # official checks raise when the agent never created what the task asks about) scores
+    # that episode 0 and keeps the error in ep.info["score_error"] (train_step counts them);
+    # a reward that is not a finite number would turn every parameter NaN: it is refused.
+    import math
+
+    from .errors import RunStopped
+
     for ep in episodes:
-        ep.reward, info = env.score(ep)
+        try:
+            reward, info = env.score(ep)
+        except Exception as e:   # noqa: BLE001 - any evaluator failure, kept in the episode
+            reward, info = 0.0, {"score_error": f"{type(e).__name__}: {e}"}
+        try:
+            reward = float(reward)
+        except (TypeError, ValueError):
+            reward = float("nan")
+        if not math.isfinite(reward):
+            task = next((getattr(ep.task, a) for a in ("id", "name") if getattr(ep.task, a, None) is not None),
+                        repr(ep.task)[:80])
+            raise RunStopped(f"{getattr(env, 'name', type(env).__name__)} scored task {task} with a "
+                             f"non-finite reward ({reward}); rewards must be finite numbers, so the "
+                             "run stops before the policy learns from it")
+        ep.reward = reward
         ep.info.update(info)
     elapsed = time.perf_counter() - start
     for ep in episodes:

@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from .envs.base import read_personas
 from .evaluate import eval_seed, evaluate_panel, isolated_rng
-from .files import save_atomic, truncate_log, write_text_atomic
+from .files import RunLock, load_state as load_state_file, read_json, read_jsonl, save_atomic, truncate_log, write_text_atomic
 from .methods import METHODS, build_method, train_step
 from .models import (adapter_state, add_adapters, enable_checkpointing, load_adapter, load_adapter_state,
                      load_model, save_adapter)
@@ -222,7 +222,7 @@ def restore_args(args) -> argparse.Namespace:
     if not config_path.exists():
         raise SystemExit(f"--resume {run_dir}: no config.json there; pass a run directory "
                          "written by train.py")
-    saved = json.loads(config_path.read_text())
+    saved = read_json(config_path)
     if "models" in saved:
         raise SystemExit(f"{run_dir} is a toy run: resume it with `python train.py --resume {run_dir}`")
     if args.env not in ("toy", saved.get("env")):    # "toy" is train.py's default: not given
@@ -252,7 +252,7 @@ def save_state(path: Path, step: int, models: Models, method, best: dict):
 
 def load_state(path: Path, models: Models, method) -> tuple[int, dict]:
     """Restore a run's state in place; returns (first step to run, best-so-far)."""
-    st = torch.load(path, weights_only=False)
+    st = load_state_file(path, needs=("step", "policy", "policy_opt", "torch_rng", "py_rng"))
     load_adapter_state(models.policy_model, "policy", st["policy"])
     method.policy_opt.load_state_dict(st["policy_opt"])
     if method.trains_simulator:
@@ -478,6 +478,11 @@ def run_real(args):
         raise SystemExit(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
                          "or pick another --name")
     run_dir.mkdir(parents=True, exist_ok=True)
+    RunLock(run_dir).acquire()                 # one process per run folder; released at exit
+    if args.resume and (run_dir / "state.pt").exists():
+        load_state_file(run_dir / "state.pt")  # a damaged state stops here, before any model loads
+    if args.resume and (run_dir / "metrics.jsonl").exists():
+        read_jsonl(run_dir / "metrics.jsonl", warn=lambda msg: None)   # so does a damaged log
     write_text_atomic(run_dir / "config.json", json.dumps({**vars(args), "resume": None}, indent=2))
     models, method = build_real_method(args, env, personas)
     chunk = getattr(args, "rollout_batch", None) or default_rollout_batch(args, env, models)

@@ -30,7 +30,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import random
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -184,20 +186,41 @@ class ToyModels:
 
         path = self.dir / name
         if path.exists():
-            tok = PreTrainedTokenizerFast.from_pretrained(str(path))
-            tok.padding_side = "left"
-            return tok
+            try:
+                tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+                tok.padding_side = "left"
+                return tok
+            except Exception as e:   # noqa: BLE001 - a damaged entry of any kind is rebuilt
+                self.log(f"the cached tokenizer {path} does not load ({type(e).__name__}); rebuilding it")
         tok = toy_tokenizer(self.env, self.cfg.vocab) if name == "tokenizer" else with_utterance_tokens(self._tokenizer("tokenizer"))
-        tok.save_pretrained(str(path))
+        self._save(name, tok.save_pretrained)
         return tok
 
+    def _save(self, name: str, save) -> None:
+        """Write a cache entry into a temporary folder, then rename it into place: a run
+        killed while writing leaves no half-written entry that looks cached."""
+        tmp = self.dir / f".{name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save(str(tmp))
+        shutil.rmtree(self.dir / name, ignore_errors=True)      # a damaged entry being replaced
+        try:
+            os.replace(tmp, self.dir / name)
+        except OSError:          # another process put a good entry there first: keep that one
+            shutil.rmtree(tmp, ignore_errors=True)
+
     def _load(self, name: str):
+        """The cached model, or None when it is not cached or does not load (a damaged
+        entry, e.g. a file deleted by hand: it is rebuilt, with one line saying so)."""
         from transformers import AutoModelForCausalLM
 
         path = self.dir / name
-        if not (path / "config.json").exists():
+        if not path.exists():
             return None
-        model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=self.cfg.attention)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=self.cfg.attention)
+        except Exception as e:   # noqa: BLE001 - OSError, JSON, safetensors errors: rebuild all alike
+            self.log(f"the cached model {path} does not load ({type(e).__name__}: {str(e)[:120]}); rebuilding it")
+            return None
         return model.float().eval()
 
     def names(self):
@@ -227,12 +250,15 @@ class ToyModels:
         model = build_tiny_model(tok, c.arch, c.hidden, c.layers, c.heads, seed=seed, attention=c.attention)
         losses = sft(model, tok, conversations, steps=steps, batch_size=c.batch, lr=c.lr,
                      seed=seed, desc=f"sft {name}", progress=self.progress)
-        model.save_pretrained(str(self.dir / name))
+        self._save(name, model.save_pretrained)
         return f"  trained {name}: SFT loss {losses[0]:.2f} -> {np.mean(losses[-20:]):.3f} ({steps} steps)"
 
     def build(self):
         """Train every model that is not cached yet (in `cfg.workers` processes)."""
-        missing = [n for n in self.names() if not (self.dir / n / "config.json").exists()]
+        if getattr(self, "_built", False):      # checked once per ToyModels: loads are not free
+            return
+        missing = [n for n in self.names() if self._load(n) is None]
+        self._built = not missing
         if not missing:
             return
         self.log(f"training {len(missing)} tiny models (cached in {self.dir}; later runs skip this) ...")

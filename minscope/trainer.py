@@ -18,10 +18,12 @@ Co-Training): that is ordinary importance sampling, and the clip keeps it safe.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from .errors import RunStopped
 from .grpo import aggregation_weights, kl_log_ratio, token_loss
 from .logprobs import fused_grpo_token_loss, token_logprobs
 from .models import final_hidden_states, output_embedding, trainable_parameters, use_adapter
@@ -79,9 +81,12 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     params = trainable_parameters(model, adapter)
     model.train()
     sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    skipped = 0
     n_tok = mask.sum().clamp_min(1)
     for _ in range(cfg.epochs):
         optimizer.zero_grad(set_to_none=True)
+        epoch = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0}
+        finite = True
         for s in range(0, ids.shape[0], cfg.micro_batch):
             sl = slice(s, s + cfg.micro_batch)
             ref_sl = None if ref is None else ref[sl]
@@ -95,16 +100,44 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
                 # backward inside the block: with activation checkpointing the layers are
                 # recomputed now, and must see the same adapter as in the forward pass
                 loss.backward()
+            finite = finite and bool(torch.isfinite(loss.detach()))
             clipped = token_loss(logp, old[sl], ref_sl, adv_tok, cfg.eps_low, cfg.eps_high, cfg.beta)[2]
             m = mask[sl].bool()
-            sums["loss"] += loss.item() / cfg.epochs
-            sums["clip_frac"] += (clipped & m).sum().item() / n_tok.item() / cfg.epochs
-            sums["entropy"] += (ent * mask[sl]).sum().item() / n_tok.item() / cfg.epochs
+            epoch["loss"] += loss.item() / cfg.epochs
+            epoch["clip_frac"] += (clipped & m).sum().item() / n_tok.item() / cfg.epochs
+            epoch["entropy"] += (ent * mask[sl]).sum().item() / n_tok.item() / cfg.epochs
             if ref is not None:
                 d = kl_log_ratio(ref[sl], logp.detach(), mask[sl])   # no exp where untrained
-                sums["kl"] += ((d.exp() - d - 1) * mask[sl]).sum().item() / n_tok.item() / cfg.epochs
-        sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)) / cfg.epochs
-        optimizer.step()
+                epoch["kl"] += ((d.exp() - d - 1) * mask[sl]).sum().item() / n_tok.item() / cfg.epochs
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        if finite and math.isfinite(grad_norm):
+            optimizer.step()
+            for k, v in epoch.items():
+                sums[k] += v
+            sums["grad_norm"] += grad_norm / cfg.epochs
+            optimizer.nonfinite_streak = 0
+        else:
+            skip_step(optimizer, adapter)
+            skipped += 1
     model.eval()
     sums["tokens"] = int(n_tok.item())
+    sums["skipped_steps"] = skipped
     return sums
+
+
+MAX_NONFINITE_IN_A_ROW = 3
+
+
+def skip_step(optimizer, adapter: str) -> None:
+    """Drop an optimiser step whose loss or gradient is NaN/inf. One such step would make
+    every parameter of the adapter NaN (AdamW's moments keep it forever), so it is skipped
+    and counted; `MAX_NONFINITE_IN_A_ROW` of them in a row mean the training itself has gone
+    wrong, and the run stops (RunStopped) with its last good state on disk. The count lives
+    on the optimizer because each adapter has its own."""
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.nonfinite_streak = getattr(optimizer, "nonfinite_streak", 0) + 1
+    if optimizer.nonfinite_streak >= MAX_NONFINITE_IN_A_ROW:
+        raise RunStopped(f"adapter '{adapter}': {optimizer.nonfinite_streak} optimiser steps in a row had a "
+                         "non-finite (NaN/inf) loss or gradient, so none was applied; the run stops here. "
+                         "Its last good state is saved: lower the learning rate or check the rewards, "
+                         "then --resume")

@@ -235,3 +235,23 @@ def test_p4g_summary_counts_donations_asks_and_length():
     # amounts between the labels' cents still land in exactly one bin
     odd = p4g_summary([ep(d, 0, 1) for d in (0.495, 0.995, 1.499, 1.999)])["donation_bins"]
     assert list(odd.values()) == [0, 1, 1, 1, 1, 0]
+
+
+def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_alone(tmp_path, single_run):
+    copy = tmp_path / "copy"
+    shutil.copytree(single_run, copy)
+    before = (single_run / "metrics.jsonl").read_text()
+    train_cli.main(["--resume", str(copy), "--steps", "2"])
+    assert [r["step"] for r in records(copy, "train")] == [0, 1]
+    assert (single_run / "metrics.jsonl").read_text() == before and not (single_run / "policy-step2").exists()
+
+
+def test_a_damaged_state_is_one_message_before_any_model_loads(tmp_path, single_run, monkeypatch):
+    import minscope.runner as runner
+
+    copy = tmp_path / "copy"
+    shutil.copytree(single_run, copy)
+    (copy / "state.pt").write_bytes((copy / "state.pt").read_bytes()[:100])
+    monkeypatch.setattr(runner, "build_models", lambda *a, **kw: pytest.fail("models loaded"))
+    with pytest.raises(SystemExit, match="state.pt is damaged"):
+        train_cli.main(["--resume", str(copy), "--steps", "2"])

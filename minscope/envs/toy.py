@@ -327,7 +327,7 @@ class World:
             for act in ACT_KEYS:
                 h = history + (ACTS[act],)
                 dists = [reply_dist(i, h) for i in range(len(PERSONAS))]
-                replies = set().union(*dists)
+                replies = sorted(set().union(*dists))   # a fixed order: sums equal to the last bit
                 v = 0.0
                 for r in replies:
                     joint = belief * np.array([d.get(r, 0.0) for d in dists])
