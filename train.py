@@ -146,8 +146,9 @@ def check_toy_args(p, args):
 
     real = [flag(k) for k in REAL_ONLY if k in given(args)]
     if real:
-        p.error(f"{', '.join(real)}: for real-model runs (--env p4g|tau2|wordgame); the toy experiment "
-                "trains the arms of --methods (choices: " + ",".join(TOY_METHODS) + ")")
+        p.error(f"{', '.join(real)} {'is' if len(real) == 1 else 'are'} for real-model runs (--env "
+                "p4g|tau2|wordgame); the toy experiment picks its arms with --methods (choices: "
+                + ",".join(TOY_METHODS) + ")")
     if args.methods:
         bad = [m for m in split_list(p, "methods", args.methods) if m not in TOY_METHODS]
         if bad:
@@ -171,7 +172,8 @@ def check_real_args(p, args):
     """Real-model flags: the toy's are refused; the defaults are filled in."""
     toy = [flag(k) for k in TOY_ONLY if k in given(args)]
     if toy:
-        p.error(f"{', '.join(toy)}: for the toy experiment (--env toy), not --env {args.env}")
+        p.error(f"{', '.join(toy)} {'is' if len(toy) == 1 else 'are'} for the toy experiment (--env toy), "
+                f"not --env {args.env}")
     from minscope.runner import REAL_METHODS
 
     if args.method is not None and args.method not in REAL_METHODS:

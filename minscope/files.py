@@ -92,7 +92,8 @@ def load_state(path: Path, needs=("step",)) -> dict:
     try:
         state = torch.load(path, weights_only=False)
     except Exception as e:   # torch raises RuntimeError, EOFError, UnpicklingError, ... by damage
-        raise RunFileError(f"{path} is damaged ({type(e).__name__}: {e}); it cannot be resumed. "
+        why = (str(e).strip().splitlines() or [""])[0][:100]
+        raise RunFileError(f"{path} is damaged ({type(e).__name__}: {why}); it cannot be resumed. "
                            "Delete it to restart that part of the run from scratch") from None
     missing = [k for k in needs if not isinstance(state, dict) or k not in state]
     if missing:

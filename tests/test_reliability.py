@@ -272,8 +272,8 @@ def fails_with(capsys, argv, message, cli=train_cli):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--method", "foo"], "--method: for real-model runs"),
-    (["--method", "vs"], "--method: for real-model runs"),
+    (["--method", "foo"], "--method is for real-model runs"),
+    (["--method", "vs"], "--method is for real-model runs"),
     (["--methods", "foo"], "unknown arm(s) foo"),
     (["--methods", "single,"], "an empty entry"),
     (["--ablations", "cotrain:sideways"], "cannot read 'cotrain:sideways'"),
@@ -283,7 +283,7 @@ def fails_with(capsys, argv, message, cli=train_cli):
     (["--steps", "x"], "argument --steps: expected a whole number, not 'x'"),
     (["--group-size", "0"], "argument --group-size: must be 2 or more, not 0"),
     (["--workers", "0"], "argument --workers: must be 1 or more"),
-    (["--lr", "1e-3"], "--lr: for real-model runs"),
+    (["--lr", "1e-3"], "--lr is for real-model runs"),
 ])
 def test_bad_toy_arguments_are_one_message_before_anything_is_created(tmp_path, capsys, argv, message):
     fails_with(capsys, argv + ["--runs-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache")], message)
@@ -308,8 +308,8 @@ def test_toy_group_settings_reach_the_config(tmp_path, monkeypatch):
     (["--steps", "-1"], "argument --steps: must be 0 or more"),
     (["--lr", "nan"], "argument --lr: must be a finite number above 0"),
     (["--method", "foo"], "--method 'foo': choose one of"),
-    (["--seeds", "1"], "--seeds: for the toy experiment"),
-    (["--quick"], "--quick: for the toy experiment"),
+    (["--seeds", "1"], "--seeds is for the toy experiment"),
+    (["--quick"], "--quick is for the toy experiment"),
 ])
 def test_bad_real_arguments_are_one_message_before_any_model_loads(tmp_path, capsys, argv, message):
     fails_with(capsys, ["--env", "p4g", "--data", str(tmp_path), "--policy", str(tmp_path / "no-model"),
