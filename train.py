@@ -160,6 +160,17 @@ def check_toy_args(p, args):
             if method not in TOY_METHODS or not all(t in TOY_VARIANTS for t in tweaks):
                 p.error(f"--ablations: cannot read {entry!r}; write METHOD:VARIANT[+VARIANT], METHOD one of "
                         f"{','.join(TOY_METHODS)}, VARIANT one of {'|'.join(TOY_VARIANTS)}")
+            if method in ("cotrain", "population"):
+                from minscope.experiment import ToyConfig
+                from minscope.methods import resolve_sim_baseline
+
+                reward = next((t for t in tweaks if t in ("adversarial", "cooperative", "curriculum")),
+                              ToyConfig.sim_reward)
+                baseline = next((t for t in tweaks if t in ("group", "batch")), ToyConfig.sim_baseline)
+                try:
+                    resolve_sim_baseline(reward, baseline)
+                except ValueError as e:
+                    p.error(f"--ablations {entry}: {e}")
     if args.seeds:
         seeds = split_list(p, "seeds", args.seeds)
         if not all(s.isdigit() for s in seeds):

@@ -19,6 +19,7 @@ episodes (its own tokens, its own reward); for the population, snapshot on sched
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from .envs.base import Episode
 from .grpo import group_advantages, simulator_rewards
 from .rollout import LMSpeaker, rollout
 from .simulators import Ensemble, PersonaGuided, Population, Trainable, Verbalized
-from .trainer import UpdateConfig, grpo_update, make_optimizer
+from .trainer import UpdateConfig, grpo_update, make_optimizer, skip_step
 
 METHODS = ("single", "vs", "ensemble", "persona", "cotrain", "population", "selfplay",
            "population-selfplay", "oracle")
@@ -51,6 +52,7 @@ class Method:
     # so that becoming informative for the policy does not cost it its realism.
     anchor: object = None
     anchor_weight: float = 0.5
+    anchor_skipped: int = 0           # anchor steps not applied: non-finite loss or gradient
 
     @property
     def trains_simulator(self) -> bool:
@@ -160,8 +162,13 @@ def anchor_step(m: Method) -> float:
         # backward inside the block: on exit peft marks the model's default adapter trainable,
         # which is the policy's when both share one base
         (m.anchor_weight * loss).backward()
-    torch.nn.utils.clip_grad_norm_(params, m.sim_cfg.grad_clip)
-    m.sim_opt.step()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, m.sim_cfg.grad_clip))
+    if math.isfinite(loss.item()) and math.isfinite(grad_norm):
+        m.sim_opt.step()
+        m.sim_opt.nonfinite_streak = 0
+    else:                     # as in grpo_update: never apply a NaN/inf step (counted, then stops)
+        m.anchor_skipped += 1
+        skip_step(m.sim_opt, adapter)
     model.eval()
     return loss.item()
 
@@ -220,7 +227,9 @@ def train_step(method: Method, env, tasks, group_size: int, step: int) -> dict:
                        sim_grad_norm=s["grad_norm"])
         metrics["skipped_steps"] += s["skipped_steps"]
         if m.anchor is not None:
+            skipped_before = m.anchor_skipped
             metrics["sim_anchor_nll"] = anchor_step(m)
+            metrics["skipped_steps"] += m.anchor_skipped - skipped_before
     if isinstance(m.partner, Population):
         if step > 0 and step % m.partner.every == 0:
             m.partner.snapshot(step)

@@ -69,13 +69,14 @@ CPU_ROLLOUT_BATCH = 32                         # episodes generated at once on a
 def make_env(args):
     if args.env == "p4g":
         from .envs.p4g import P4GEnv
+        from .envs.p4g_data import DataError
 
         if not args.data:
             raise SystemExit("--env p4g needs --data PATH (the Persuasion for Good CSV release "
                              "or a ConvoKit corpus folder)")
         try:
             return P4GEnv(args.data)
-        except FileNotFoundError as e:      # P4GDataNotFound: what is missing and where to get it
+        except (FileNotFoundError, DataError) as e:   # missing data (and where to get it), or damaged
             raise SystemExit(f"error: {e}") from None
     if args.env == "tau2":
         from .envs.tau2 import Tau2Env

@@ -83,8 +83,8 @@ def test_existing_run_is_not_overwritten_without_resume(tmp_path, cache):
 
 
 def test_report_writes_results_plots_and_markdown(tmp_path, cache):
-    cfg = tiny_config("toy", methods=("base", "single", "vs"), ablations=("cotrain:anchor+group",))
-    assert cfg.arms() == [("base", 0), ("single", 0), ("vs", 0), ("cotrain:anchor+group", 0)]
+    cfg = tiny_config("toy", methods=("base", "single", "vs"), ablations=("cotrain:anchor+batch",))
+    assert cfg.arms() == [("base", 0), ("single", 0), ("vs", 0), ("cotrain:anchor+batch", 0)]
     logged = []
     run_dir = experiment.run(cfg, tmp_path, cache, log=logged.append, progress=False)
     reference = {"random": 0.1, "best_fixed": 0.3, "best_adaptive": 0.7}
@@ -110,11 +110,11 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
     assert "**The fidelity check fails**" in md
     assert results["methods"]["vs"]["label"] == "Verbalized Sampling"
     # the ablation arm trained its simulator with the anchor, and has its own table
-    anchored = [r for r in records(run_dir) if r["method"] == "cotrain:anchor+group" and r["kind"] == "train"]
+    anchored = [r for r in records(run_dir) if r["method"] == "cotrain:anchor+batch" and r["kind"] == "train"]
     assert len(anchored) == 4 and all("sim_anchor_nll" in r for r in anchored)
     ablation_md = md.split("## Co-Training ablation")[1]
-    assert "Co-Training [anchor+group]" in ablation_md
-    assert "Co-Training [anchor+group]" not in md.split("## Co-Training ablation")[0]
+    assert "Co-Training [anchor+batch]" in ablation_md
+    assert "Co-Training [anchor+batch]" not in md.split("## Co-Training ablation")[0]
 
     # eval.py: every arm's final and best checkpoints re-evaluated, a section in the report
     import eval as eval_cli

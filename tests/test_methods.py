@@ -255,6 +255,27 @@ def test_realism_anchor_trains_the_simulator_adapter_when_it_shares_the_policys_
     assert len(moved) == len(before_sim), f"only {len(moved)} of {len(before_sim)} simulator weights moved"
 
 
+
+def test_a_non_finite_anchor_step_is_skipped_and_counted(parts, tokenizer, monkeypatch):
+    """The realism anchor's SFT step takes the same guard as the GRPO update: a NaN loss
+    leaves the simulator's weights as they were."""
+    import minscope.sft as sft
+    from minscope.methods import anchor_step
+    from minscope.sft import encode_chat, pad_batch
+
+    policy, frozen, _ = parts
+    model = add_adapters(policy.model, ["simulator"], init_lora_weights=False)
+    m = build_method("cotrain", policy, frozen, UpdateConfig(lr=1e-2), UpdateConfig(lr=1e-2),
+                     sim_model=model, sim_tokenizer=tokenizer)
+    conv = [{"role": "user", "content": "give"}, {"role": "assistant", "content": "no thanks"}]
+    m.anchor = lambda: pad_batch([encode_chat(tokenizer, conv)] * 2, tokenizer.pad_token_id)
+    real_nll = sft.nll
+    monkeypatch.setattr(sft, "nll", lambda *a: real_nll(*a) * float("nan"))
+    before = adapter_state(model, "simulator")
+    anchor_step(m)
+    after = adapter_state(model, "simulator")
+    assert m.anchor_skipped == 1 and all(torch.equal(before[k], after[k]) for k in before)
+
 class FixedActs:
     name = "fixed"
 

@@ -277,6 +277,7 @@ def fails_with(capsys, argv, message, cli=train_cli):
     (["--methods", "foo"], "unknown arm(s) foo"),
     (["--methods", "single,"], "an empty entry"),
     (["--ablations", "cotrain:sideways"], "cannot read 'cotrain:sideways'"),
+    (["--ablations", "cotrain:group"], "zero advantages"),   # curriculum (the default) + group-wise
     (["--seeds", "a"], "--seeds 'a': give whole numbers"),
     (["--seeds", "0,0"], "a seed is repeated"),
     (["--steps", "-1"], "argument --steps: must be 0 or more, not -1"),
@@ -398,3 +399,15 @@ def test_best_adaptive_value_is_the_same_in_every_process():
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                 check=True).stdout)
     assert len(outs) == 1, outs
+
+
+def test_a_damaged_p4g_file_is_one_error_line_before_any_model_loads(tmp_path, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "p4g" / "csv", data)
+    dialog = data / "full_dialog.csv"
+    dialog.write_text(dialog.read_text().replace(",B4,", ",B3,", 1))     # a renamed column
+    with pytest.raises(SystemExit) as e:
+        train_cli.main(["--env", "p4g", "--data", str(data), "--policy", str(tmp_path / "no-model"),
+                        "--runs-dir", str(tmp_path / "runs")])
+    assert str(e.value.code).startswith("error: ") and "full_dialog.csv" in str(e.value.code)
+    assert "Traceback" not in capsys.readouterr().err and not (tmp_path / "runs").exists()
