@@ -92,17 +92,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/memory.py
 from minscope import grpo, trainer  # noqa: E402
 from minscope.envs.base import Episode, Turn  # noqa: E402
-from minscope.models import (adapter_nbytes, add_adapters, build_tokenizer, lora_parameters,  # noqa: E402
-                             load_model)
+from minscope.models import (QWEN3_SHAPES, adapter_nbytes, add_adapters, build_tokenizer,  # noqa: E402
+                             load_model, lora_parameters)
 from minscope.rollout import Stream, training_batch  # noqa: E402
 from minscope.simulators import Population  # noqa: E402
 
-# Qwen3 shapes (head_dim 128 for both real ones; all tie the LM head to the embeddings).
+# Qwen3 shapes: the real ones (minscope.models.QWEN3_SHAPES) and a tiny one for CPU checks.
 SHAPES = {
-    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, intermediate_size=3072, vocab_size=151_936),
-    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, intermediate_size=6144, vocab_size=151_936),
+    **QWEN3_SHAPES,
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, intermediate_size=256, vocab_size=1000),
 }

@@ -58,16 +58,13 @@ sys.path.insert(0, str(REPO))                     # run from anywhere: python be
 from minscope import methods as methods_mod  # noqa: E402
 from minscope import rollout as rollout_mod  # noqa: E402
 from minscope.envs.base import Environment, Step  # noqa: E402
-from minscope.models import add_adapters, build_tokenizer, load_model, model_device  # noqa: E402
+from minscope.models import QWEN3_SHAPES, add_adapters, build_tokenizer, load_model, model_device  # noqa: E402
 from minscope.rollout import LMSpeaker  # noqa: E402
 from minscope.simulators import Frozen  # noqa: E402
 from minscope.trainer import UpdateConfig  # noqa: E402
 
 SHAPES = {
-    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, intermediate_size=3072, vocab_size=151_936),
-    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, intermediate_size=6144, vocab_size=151_936),
+    **QWEN3_SHAPES,
     "small": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, intermediate_size=256, vocab_size=None),     # None: the tokenizer's
 }

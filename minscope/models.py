@@ -118,6 +118,16 @@ def tiny_config(arch: str, vocab_size: int, hidden_size: int = 64, num_layers: i
     raise ValueError(f"unknown tiny architecture {arch!r}; use 'llama' or 'qwen3'")
 
 
+# The sizes of the real Qwen3-0.6B and Qwen3-1.7B configs (head_dim 128; both tie the LM head
+# to the embeddings). The benchmarks build random-weight models of these shapes: no download.
+QWEN3_SHAPES = {
+    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, intermediate_size=3072, vocab_size=151_936),
+    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, intermediate_size=6144, vocab_size=151_936),
+}
+
+
 def build_tiny_model(tokenizer, arch: str = "qwen3", hidden_size: int = 64, num_layers: int = 2,
                      num_heads: int = 4, seed: int = 0, attention: str = "sdpa"):
     """A randomly initialised model of a real architecture, sized to `tokenizer`.
