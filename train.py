@@ -7,7 +7,7 @@ Sampling, Ensemble, Co-Training, Population Co-Training and an oracle arm are tr
 3 seeds each (plus three Co-Training variants, seed 0) and evaluated on a held-out panel:
 about 20 minutes on 2 CPU cores the first time, 14 once the tiny models are cached; Ctrl-C
 loses at most one step (--resume continues). Results land in runs/<name>/ (report.md,
-results.json, plots). `--quick` runs the same code path in about two minutes (1 seed,
+results.json, plots). `--quick` runs the same code path in about three minutes (1 seed,
 4 arms, small models: a smoke run, too small to show the effect).
 
 Real models and benchmarks:
@@ -67,7 +67,7 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--env", default="toy", choices=["toy", "p4g", "tau2", "wordgame"],
                    help="environment (default: the built-in toy persuasion experiment)")
-    p.add_argument("--quick", action="store_true", help="toy: a ~2 minute smoke run of the same code path (too small to show the effect)")
+    p.add_argument("--quick", action="store_true", help="toy: a ~3 minute smoke run of the same code path (too small to show the effect)")
     p.add_argument("--name", help="run name: results go to RUNS_DIR/NAME (default: toy / toy-quick / env-method)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its saved state")
     p.add_argument("--runs-dir", help="where runs are written (default: runs)")
