@@ -85,6 +85,10 @@ def build_method(name: str, policy: LMSpeaker, frozen: list, policy_cfg: UpdateC
         m.partner = Verbalized(base, k=vs_k, mode=vs_mode, seed=seed)
     elif name == "ensemble":
         m.partner = Ensemble(frozen, seed=seed)
+    elif name == "persona" and getattr(base, "served", False):   # an OpenAI-compatible endpoint
+        from .served import ServedPersonaGuided
+
+        m.partner = ServedPersonaGuided(base, personas or [], seed=seed)
     elif name == "persona":
         m.partner = PersonaGuided(base.model, base.tokenizer, personas or [], base.adapter,
                                   base.temperature, base.max_new_tokens, seed=seed)

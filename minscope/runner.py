@@ -53,7 +53,9 @@ from .files import RunLock, load_state as load_state_file, read_json, read_jsonl
 from .methods import METHODS, build_method, train_step
 from .models import (adapter_state, add_adapters, enable_checkpointing, load_adapter, load_adapter_state,
                      load_model, save_adapter)
+from .monitor import CollapseMonitor, log_with_alarms
 from .rollout import LMSpeaker, StreamError, rollout_batch
+from .served import ServedSpeaker, is_spec, parse_spec, served_speakers, take_usage
 from .simulators import Frozen
 from .trainer import UpdateConfig
 
@@ -167,7 +169,12 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
     the simulator's base with adapters disabled; it is also the panel's first member.
     """
     bits = dict(load_in_4bit=args.load_in_4bit)
-    policy_path, sim_path = resolve_path(args.policy), resolve_path(args.simulator)
+    served_sim = is_spec(args.simulator)      # openai:MODEL@URL: nothing to load for it here
+    if served_sim and train_simulator:
+        raise SystemExit(f"--simulator {args.simulator}: a served simulator cannot be trained; Co-Training "
+                         "needs its weights here (give a model name or path)")
+    policy_path = resolve_path(args.policy)
+    sim_path = None if served_sim else resolve_path(args.simulator)
     policy_model, tok = load_model(policy_path, **bits)
     shared = not sim_path or sim_path == policy_path
     sim_model, sim_tok = (policy_model, tok) if shared else load_model(sim_path, **bits)
@@ -183,7 +190,7 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
     specs = parse_panel(args.panel if panel_spec is None else panel_spec)
     slots = {}                                 # panel index -> adapter slot on the simulator
     for i, (path, _) in enumerate(specs):
-        folder = adapter_folder(path)
+        folder = None if is_spec(path) else adapter_folder(path)
         if folder is not None:                 # a PEFT adapter: onto the simulator's base
             slots[i] = f"panel{i}"
             sim_model = _attach_adapter(sim_model, slots[i], folder)
@@ -194,13 +201,20 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
         return Frozen(model, mtok, adapter=adapter, temperature=SAMPLING_TEMPERATURE,
                       max_new_tokens=args.max_new_tokens, name=name)
 
-    frozen = frozen_speaker("train-simulator", sim_model, sim_tok)
+    def served_speaker(name, spec):
+        return ServedSpeaker.from_spec(spec, temperature=SAMPLING_TEMPERATURE,
+                                       max_new_tokens=args.max_new_tokens, name=name)
+
+    frozen = (served_speaker("train-simulator", args.simulator) if served_sim else
+              frozen_speaker("train-simulator", sim_model, sim_tok))
     panel = {"train-simulator": (frozen, "seen")}
     for i, (path, kind) in enumerate(specs):
-        name = base = Path(path).name or path
+        name = base = parse_spec(path)[0].replace("/", "_") if is_spec(path) else (Path(path).name or path)
         while name in panel:                   # names must be unique (they label episodes)
             name = f"{base}-{len(panel)}"
-        if i in slots:
+        if is_spec(path):                      # an OpenAI-compatible endpoint
+            member = served_speaker(name, path)
+        elif i in slots:
             member = frozen_speaker(name, sim_model, sim_tok, slots[i])
         elif path == sim_path:                 # the same base again: reuse it, adapters off
             member = frozen_speaker(name, sim_model, sim_tok)
@@ -317,10 +331,25 @@ def check_args(args, env):
               f"policy play the {env.partner_name} (the policy learns from its own turns only)",
               file=sys.stderr)
     personas = persona_bank(args, env)
+    check_served(args)
     args.policy, args.simulator, args.data = resolve_path(args.policy), resolve_path(args.simulator), resolve_path(args.data)
     args.personas = resolve_path(args.personas)
     args.steps = args.steps if args.steps is not None else DEFAULT_STEPS
     return personas
+
+
+def check_served(args):
+    """Served simulators (openai:MODEL@URL in --simulator / --panel) are read before any
+    model loads; a trained simulator cannot be a served one."""
+    for spec in [args.simulator, *(p for p, _ in parse_panel(args.panel))]:
+        if is_spec(spec):
+            try:
+                parse_spec(spec)
+            except ValueError as e:
+                raise SystemExit(f"error: {e}") from None
+    if is_spec(args.simulator) and args.method in TRAINS_SIMULATOR:
+        raise SystemExit(f"--method {args.method} trains the simulator, so --simulator must be a model it can "
+                         f"load, not the endpoint {args.simulator}")
 
 
 def check_memory_args(args):
@@ -437,7 +466,7 @@ def eval_panel(panel: dict, temperature: float) -> dict:
     """The panel with every LM simulator sampling at `temperature` (copies; 0 = greedy)."""
     out = {}
     for name, (speaker, kind) in panel.items():
-        if isinstance(speaker, LMSpeaker):
+        if isinstance(speaker, (LMSpeaker, ServedSpeaker)):
             speaker = copy.copy(speaker)
             speaker.temperature = temperature
         out[name] = (speaker, kind)
@@ -499,6 +528,14 @@ def run_real(args):
         start, best = load_state(state_path, models, method)
         print(f"resuming at step {start}")
     truncate_log(log_path, start - 1)          # steps after the saved state are redone
+    served = served_speakers(method.partner, models.frozen, [s for s, _ in models.panel.values()])
+    monitor = CollapseMonitor(panel_key="panel_mean", real_key=None)   # the live collapse monitor
+    if log_path.exists():
+        monitor.replay(read_jsonl(log_path, warn=lambda msg: None))
+
+    def write(rec):
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
     with log_path.open("a") as log:
         for step in tqdm(range(start, args.steps + 1), desc=f"{args.env}/{args.method}", initial=start,
                          total=args.steps + 1):
@@ -506,10 +543,10 @@ def run_real(args):
                 with rollout_batch(chunk):
                     rec, best = evaluate_and_save(env, models, method, test_tasks[: args.groups], split, step,
                                                   run_dir, best, eval_temperature)
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
+                log_with_alarms(monitor, rec, write, tqdm.write)
             if step == args.steps:
                 break
+            take_usage(served)                     # served_* metrics count this step's rollout only
             t0 = time.time()
             # Tasks drawn from a per-step seed: a resumed run draws what it would have drawn.
             batch = random.Random(step).sample(train_tasks, min(args.groups, len(train_tasks)))
@@ -525,9 +562,8 @@ def run_real(args):
             seconds = time.time() - t0
             rollout_s = episodes[0].info.get("rollout_s", 0.0)
             metrics.update(kind="train", seconds=seconds, rollout_s=rollout_s, update_s=seconds - rollout_s,
-                           **stream_stats(method, episodes))
-            log.write(json.dumps(metrics) + "\n")
-            log.flush()
+                           **stream_stats(method, episodes), **take_usage(served))
+            log_with_alarms(monitor, metrics, write, tqdm.write)
             save_state(state_path, step, models, method, best)
     print(f"done: {run_dir}")
     return run_dir

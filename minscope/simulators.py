@@ -48,9 +48,12 @@ class Verbalized:
 
     def __init__(self, base: LMSpeaker, k: int = 5, mode: str = "weighted", retries: int = 2,
                  seed: int = 0, max_new_tokens: int | None = None, name: str | None = None):
-        self.speaker = LMSpeaker(base.model, base.tokenizer, "partner", base.adapter,
-                                 base.temperature, max_new_tokens or base.max_new_tokens * (k + 1),
-                                 name or f"vs({base.name})", verbalized.vs_instruction(k))
+        budget, label = max_new_tokens or base.max_new_tokens * (k + 1), name or f"vs({base.name})"
+        if getattr(base, "served", False):   # an endpoint: the VS request goes through it
+            self.speaker = base.derive(max_new_tokens=budget, name=label, system_suffix=verbalized.vs_instruction(k))
+        else:
+            self.speaker = LMSpeaker(base.model, base.tokenizer, "partner", base.adapter, base.temperature,
+                                     budget, label, verbalized.vs_instruction(k))
         self.name, self.k, self.mode, self.retries = self.speaker.name, k, mode, retries
         self.rng = random.Random(seed)
         self.stats = verbalized.VSStats()
