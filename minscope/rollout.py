@@ -3,7 +3,8 @@
 An *agent* (the policy) and a *partner* (a user simulator, or a second agent) take turns.
 Each party sees the conversation through its own chat template with the roles flipped:
 its own turns are "assistant", the other party's are "user", environment turns (tool
-results) are "tool" for the agent and hidden from the partner.
+results) are "tool" for the party they are addressed to (`Turn.to`, the agent by default)
+and hidden from the other.
 
 Every live conversation's next turn is generated in ONE batched call per party (left
 padding, KV cache). Each party keeps, per episode, a token *stream*: exactly the ids it was
@@ -168,7 +169,7 @@ def view_messages(env, episode: Episode, role: str) -> list[dict]:
         if turn.role == role:
             messages.append({"role": "assistant", "content": turn.text})
         elif turn.role == "env":
-            if role == "agent":          # tool results go to the agent only
+            if (turn.to or "agent") == role:    # tool results go to the party addressed (the agent by default)
                 messages.append({"role": "tool", "content": turn.text})
         elif turn.public:
             messages.append({"role": "user", "content": turn.text})
@@ -286,7 +287,10 @@ class LMSpeaker:
                 messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + suffix}
             else:
                 messages.insert(0, {"role": "system", "content": suffix})
-        tools = env.agent_tools(episode.task) if self.role == "agent" else None
+        if self.role == "agent":
+            tools = env.agent_tools(episode.task)
+        else:
+            tools = env.partner_tools(episode.task) if hasattr(env, "partner_tools") else None
         return messages, tools
 
     def render(self, env, episode) -> str:
@@ -362,14 +366,17 @@ def rollout_batch(n: int | None):
 
 
 def rollout(env, tasks, agent, partner, group_size: int = 1, max_batch: int | None = None,
-            first_group: int = 0) -> list[Episode]:
+            first_group: int = 0, seed: int | None = None) -> list[Episode]:
     """Play every task `group_size` times: returns scored episodes, grouped consecutively.
 
     `agent` and `partner` are speakers: objects with `respond(episodes, env) -> [Turn]`
     (an LM speaker, a simulator strategy, or a scripted population such as real users).
     max_batch: play the tasks in chunks of whole groups, at most `max_batch` episodes
     generated at once (at least one group); default `ROLLOUT_BATCH`. Every episode's
-    info["rollout_s"] is the wall time of the whole call.
+    info["rollout_s"] is the wall time of the whole call. seed: each chunk samples from
+    torch's generator seeded by (seed, its first group number) and puts the generator back
+    after, so a group's episodes do not depend on which process or chunk played it
+    (`distributed`: the ranks of a torchrun job play one chunk each).
     """
     start = time.perf_counter()
     limit = ROLLOUT_BATCH if max_batch is None else max_batch
@@ -377,11 +384,16 @@ def rollout(env, tasks, agent, partner, group_size: int = 1, max_batch: int | No
     if len(tasks) > per:       # chunk by chunk; group numbers stay those of the whole call
         episodes = [ep for s in range(0, len(tasks), per)
                     for ep in rollout(env, tasks[s:s + per], agent, partner, group_size, max_batch=0,
-                                      first_group=first_group + s)]
+                                      first_group=first_group + s, seed=seed)]
         elapsed = time.perf_counter() - start
         for ep in episodes:
             ep.info["rollout_s"] = elapsed
         return episodes
+    if seed is not None:       # this chunk's own random stream
+        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed((1_000_003 * seed + first_group) % 2**63)
+            return rollout(env, tasks, agent, partner, group_size, max_batch=0, first_group=first_group)
     episodes = [Episode(task=t, group=first_group + g) for g, t in enumerate(tasks) for _ in range(group_size)]
     if hasattr(partner, "assign"):
         partner.assign(episodes)

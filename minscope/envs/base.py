@@ -9,7 +9,8 @@ An environment never imports the trainer or the simulators. It says, for a task:
 
 Roles inside an episode are always "agent" (the policy being trained), "partner" (the user
 simulator, or a second agent in symmetric tasks) and "env" (tool results and other
-environment text, never trained on).
+environment text, never trained on). An env turn is addressed to one party (`Turn.to`; the
+agent by default): tool results are private to the party that called the tool.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Turn:
     token_ids: list[int] | None = None   # exact sampled ids (generated turns only)
     public: bool = True             # False: the partner does not see it (e.g. tool calls)
     meta: dict = field(default_factory=dict)  # e.g. VS candidates, tool name
+    to: str | None = None           # env turns: the party it is addressed to (None: the agent)
 
 
 @dataclass
@@ -82,6 +84,10 @@ class Environment:
         return []
 
     def agent_tools(self, task) -> list[dict] | None:
+        return None
+
+    def partner_tools(self, task) -> list[dict] | None:
+        """Tool schemas for the partner's template (symmetric tasks where both parties act)."""
         return None
 
     def first_speaker(self, task) -> str:

@@ -1,0 +1,480 @@
+"""CooperBench (github.com/cooperbench/CooperBench, MIT) as a minscope environment.
+
+Two coders, one repository: each gets one feature of a pair (`feature.md`) and its own
+temporary clone of the repository at the task's base commit. They act only through tools
+(`<tool_call>` blocks, parsed by `minscope.toolcalls`), may message each other, and submit.
+Their two patches are then merged as the official evaluator merges them and both features'
+hidden tests run on the merged tree (`cooperbench_eval.evaluate_pair`, no Docker). The reward
+is binary and shared: both features pass.
+
+    agent1 (the policy, "agent")          agent2 (the partner coder, "partner")
+      │ tool calls ─► its workspace          │ tool calls ─► its workspace
+      │ ◄─ results (env turns to agent1)     │ ◄─ results (env turns to agent2)
+      │ send_message ───────────────────────►│ "[Message from agent1]: ..." at its next turn
+      └ submit / out of turns                └ submit / out of turns
+    score: patch_i = `git add -A && git diff --cached BASE` of each workspace (new files
+           included) ─► evaluate_pair ─► reward = both_passed; per-feature results in info
+
+The coders never see each other's turns, only the messages sent. A turn without a tool call
+gets a format-error result. Turns alternate between the coders; a coder that submitted or
+used its `max_turns` (50, as in the paper) is skipped, and the episode ends when both are done.
+
+Tools: list_files, read_file, search, write_file, replace_in_file, run_tests (the
+repository's existing tests; the features' tests stay hidden), send_message, submit. With
+`bash=True` also `bash` (a command in the workspace, as the reference agent's one tool):
+that is NOT a sandbox, the command runs with this user's rights, only its environment is
+scrubbed and HOME moved into a temporary folder.
+
+Data: a CooperBench `dataset/` folder (official layout) and a folder of base repositories,
+one per task: `<repo>_task<N>*.tar.gz` (a `git archive` of the base tree), or a git clone named
+`<repo>_task<N>`, `<repo>` or after the upstream repository (e.g. `click`) holding the base
+commit. Only the pure-Python tasks listed in `cooperbench_eval.MANIFEST` run without Docker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import itertools
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..toolcalls import ToolCall, parse_tool_calls
+from . import cooperbench_eval as ev
+from .base import Environment, Episode, Step, Turn
+
+TOOL_OUTPUT_CHARS = 4000      # tool results are cut to this many characters (head + tail)
+LIST_LIMIT = 300              # entries list_files shows
+SEARCH_LIMIT = 50             # matching lines search shows
+
+
+# --------------------------------------------------------------------------- tasks
+@dataclass(frozen=True)
+class CoopTask:
+    """One pair: the coder "agent1" implements feature1, "agent2" feature2."""
+    task_dir: str
+    repo: str
+    feature1: int
+    feature2: int
+
+    @property
+    def name(self) -> str:
+        return ev.task_name(self.task_dir)
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}:f{self.feature1}+f{self.feature2}"
+
+
+def features(task_dir) -> list[int]:
+    """The feature numbers of a task folder (feature<k>/ with a feature.md)."""
+    out = []
+    for p in Path(task_dir).iterdir():
+        m = re.fullmatch(r"feature(\d+)", p.name)
+        if m and (p / "feature.md").is_file():
+            out.append(int(m[1]))
+    return sorted(out)
+
+
+def find_task_dirs(data, names=None) -> list[Path]:
+    """Task folders `<repo>_task/task<N>` under a dataset folder; `names` picks some (None or
+    ["all"]: every task found)."""
+    data = Path(data)
+    if not data.is_dir():
+        raise FileNotFoundError(f"CooperBench dataset folder {data} not found (the `dataset/` folder of a "
+                                "CooperBench checkout: github.com/cooperbench/CooperBench)")
+    found = {f"{t.parent.name}/{t.name}": t for t in sorted(data.glob("*_task/task*")) if t.is_dir()}
+    if not names or list(names) == ["all"]:
+        if not found:
+            raise FileNotFoundError(f"{data} holds no task folders (<repo>_task/task<N>/)")
+        return list(found.values())
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise FileNotFoundError(f"{data}: no task {', '.join(missing)}; tasks there: "
+                                f"{', '.join(found) or 'none'}")
+    return [found[n] for n in names]
+
+
+def upstream_name(task_dir) -> str | None:
+    """The upstream repository's name from the Dockerfile's or setup.sh's `git clone URL`."""
+    for name in ("Dockerfile", "setup.sh"):
+        path = Path(task_dir) / name
+        if path.is_file():
+            m = re.search(r"git clone\s+(\S+)", path.read_text(errors="replace"))
+            if m:
+                return m[1].rstrip("/").rsplit("/", 1)[-1].removesuffix(".git")
+    return None
+
+
+def find_repo(repos, task_dir) -> Path:
+    """The base repository of a task in the folder `repos` (see the module docstring)."""
+    repos, task_dir = Path(repos), Path(task_dir)
+    stem = f"{task_dir.parent.name}_{task_dir.name}"          # e.g. pallets_click_task_task2068
+    tried = []
+    for pattern in (f"{stem}*.tar.gz", f"{stem}*.tgz"):
+        hits = sorted(repos.glob(pattern))
+        tried.append(str(repos / pattern))
+        if hits:
+            return hits[0]
+    for name in (stem, task_dir.parent.name, upstream_name(task_dir)):
+        if name:
+            tried.append(str(repos / name))
+            if (repos / name / ".git").exists():
+                return repos / name
+    raise FileNotFoundError(f"no base repository for {ev.task_name(task_dir)}; looked for {', '.join(tried)} "
+                            f"(a `git archive` tarball of the base commit {ev.base_commit(task_dir)}, or a clone)")
+
+
+def read_subset(path) -> dict[str, list[tuple[int, int]] | None]:
+    """An official subset file (`dataset/subsets/*.json`): task name -> its pairs (None: all)."""
+    try:
+        spec = json.loads(Path(path).read_text())
+        out = {}
+        for t in spec["tasks"]:
+            pairs = t.get("pairs")
+            out[f"{t['repo']}/task{t['task_id']}"] = [tuple(sorted(map(int, p))) for p in pairs] if pairs else None
+        return out
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FileNotFoundError(f"{path}: cannot read it as a CooperBench subset file ({e})") from None
+
+
+# --------------------------------------------------------------------------- tools
+def _tool(name, description, properties=None, required=()):
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": properties or {}, "required": list(required)}}}
+
+
+_S = {"type": "string"}
+_I = {"type": "integer"}
+TOOLS = [
+    _tool("list_files", "List files and folders under a path of the repository.",
+          {"path": {**_S, "description": "folder relative to the repository root (default '.')"}}),
+    _tool("read_file", "Read a file, with line numbers.",
+          {"path": _S, "start_line": _I, "end_line": _I}, ["path"]),
+    _tool("search", "Search the repository's files for a regular expression; prints file:line: text.",
+          {"pattern": _S, "path": {**_S, "description": "file or folder (default '.')"}}, ["pattern"]),
+    _tool("write_file", "Create or overwrite a file with the given content.",
+          {"path": _S, "content": _S}, ["path", "content"]),
+    _tool("replace_in_file", "Replace one exact occurrence of `old` by `new` in a file.",
+          {"path": _S, "old": _S, "new": _S}, ["path", "old", "new"]),
+    _tool("run_tests", "Run the repository's existing tests with pytest (the tests of the features "
+          "are hidden).", {"path": {**_S, "description": "test file or folder (default: all tests)"}}),
+    _tool("send_message", "Send a message to the other coder; it arrives at their next turn.",
+          {"content": _S}, ["content"]),
+    _tool("submit", "Submit your work: your changes to the repository are your final patch."),
+]
+BASH_TOOL = _tool("bash", "Run a bash command in the repository folder (output cut to 4000 characters).",
+                  {"command": _S}, ["command"])
+
+SYSTEM = """You are {me}, a software engineer. You and another engineer, {other}, work at the same \
+time on the same repository, each in your own copy of it (the current folder is its root). You \
+implement one feature and {other} implements another. When you are both done, your two sets of \
+changes are merged with git and the hidden tests of BOTH features run on the merged code: you \
+succeed only if both pass. You will often need to edit the same files, so tell {other} which \
+files and lines you are changing (send_message) to avoid conflicting edits. Do not edit the tests.
+Act only through tools: every reply must call at least one tool, written as \
+<tool_call>{{"name": "<tool>", "arguments": {{...}}}}</tool_call>. Messages from {other} arrive \
+as tool results starting with "[Message from {other}]". When your feature is implemented, call \
+submit. You have {turns} turns."""
+
+
+class Workspace:
+    """One coder's clone of the base tree, in a temporary folder."""
+
+    def __init__(self, task: CoopTask, spec: ev.TaskSpec, root: Path):
+        self.dir = Path(tempfile.mkdtemp(prefix="coder-", dir=root))
+        self.path, self.base = ev.clone_base(task.repo, task.task_dir, self.dir / "repo")
+        self.home = self.dir / "home"
+        self.home.mkdir()
+        self.spec = spec
+
+    def resolve(self, rel) -> Path:
+        """A path inside the workspace (never its .git); ValueError otherwise."""
+        rel = str(rel or ".")
+        path = (self.path / rel).resolve()
+        root = self.path.resolve()
+        if path != root and root not in path.parents:
+            raise ValueError(f"{rel}: outside the repository")
+        if ".git" in path.relative_to(root).parts:
+            raise ValueError(f"{rel}: the .git folder is not part of the task")
+        return path
+
+    def patch(self) -> str:
+        """Everything this coder changed, new files included."""
+        ev.git(["add", "-A"], self.path)
+        return ev.git(["diff", "--cached", self.base], self.path).stdout
+
+    def remove(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _lines(path: Path, start=1, end=None) -> str:
+    text = path.read_text(errors="replace").splitlines()
+    start = max(1, int(start or 1))
+    end = len(text) if end in (None, "") else min(len(text), int(end))
+    return "\n".join(f"{i:5d}  {text[i - 1]}" for i in range(start, end + 1)) or "(no lines in that range)"
+
+
+def run_tool(ws: Workspace, call: ToolCall, timeout: float, bash: bool) -> tuple[str, bool]:
+    """Execute one file or test tool in `ws`; returns (result text, error?)."""
+    a, name = call.arguments, call.name
+    try:
+        if name == "list_files":
+            top = ws.resolve(a.get("path", "."))
+            if not top.is_dir():
+                return f"Error: {a.get('path')} is not a folder", True
+            entries = []
+            for dirpath, dirnames, filenames in os.walk(top):
+                dirnames[:] = sorted(d for d in dirnames if d != ".git")
+                rel = Path(dirpath).relative_to(ws.path)
+                entries += [f"{rel / d}/" for d in dirnames] + [str(rel / f) for f in sorted(filenames)]
+                if len(entries) > LIST_LIMIT:
+                    break
+            shown = [e.removeprefix("./") for e in entries[:LIST_LIMIT]]
+            more = f"\n[... {len(entries) - LIST_LIMIT} more]" if len(entries) > LIST_LIMIT else ""
+            return "\n".join(shown) + more, False
+        if name == "read_file":
+            path = ws.resolve(a["path"])
+            if not path.is_file():
+                return f"Error: no file {a['path']}", True
+            return _lines(path, a.get("start_line"), a.get("end_line")), False
+        if name == "search":
+            pattern = re.compile(str(a["pattern"]))
+            top = ws.resolve(a.get("path", "."))
+            files = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file() and ".git" not in p.parts)
+            hits = []
+            for f in files:
+                try:
+                    for i, line in enumerate(f.read_text().splitlines(), 1):
+                        if pattern.search(line):
+                            hits.append(f"{f.relative_to(ws.path)}:{i}: {line.strip()[:200]}")
+                except (UnicodeDecodeError, OSError):
+                    continue
+                if len(hits) >= SEARCH_LIMIT:
+                    break
+            return "\n".join(hits[:SEARCH_LIMIT]) or "no matches", False
+        if name == "write_file":
+            path = ws.resolve(a["path"])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(str(a["content"]))
+            return f"wrote {a['path']} ({len(str(a['content']).splitlines())} lines)", False
+        if name == "replace_in_file":
+            path = ws.resolve(a["path"])
+            if not path.is_file():
+                return f"Error: no file {a['path']}", True
+            text, old = path.read_text(), str(a["old"])
+            count = text.count(old) if old else 0
+            if count != 1:
+                return (f"Error: `old` occurs {count} times in {a['path']}; it must occur exactly once "
+                        "(include more surrounding lines)"), True
+            path.write_text(text.replace(old, str(a["new"]), 1))
+            return f"replaced 1 occurrence in {a['path']}", False
+        if name == "run_tests":
+            target = ws.resolve(a.get("path") or "tests")
+            python = ev.test_python(ws.spec)
+            rc, out, _ = ev.run_limited([python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                         str(target.relative_to(ws.path))], ws.path,
+                                        ev.test_env(ws.path, ws.spec, ws.home), timeout)
+            status = "timed out" if rc is None else f"exit code {rc}"
+            return f"{status}\n{ev.clip(out, TOOL_OUTPUT_CHARS)}", rc != 0
+        if name == "bash" and bash:
+            env = ev.test_env(ws.path, ws.spec, ws.home)
+            rc, out, _ = ev.run_limited(["bash", "-c", str(a["command"])], ws.path, env, timeout)
+            return json.dumps({"returncode": rc if rc is not None else -9,
+                               "output": ev.clip(out, TOOL_OUTPUT_CHARS)}), rc != 0
+    except KeyError as e:
+        return f"Error: {name} needs the argument {e}", True
+    except (ValueError, OSError, re.error) as e:
+        return f"Error: {e}", True
+    return f"Error: unknown tool {name!r}", True
+
+
+# --------------------------------------------------------------------------- the environment
+ROLES = ("agent", "partner")
+
+
+class CooperBenchEnv(Environment):
+    """Pairs of CooperBench features, played by two coders (see module docstring).
+
+    data: the dataset folder; repos: the folder of base repositories; tasks: task names
+    (`<repo>_task/task<N>`, default all in `data`); subset / test_subset: official subset files
+    choosing the training / held-out pairs (without test_subset there is no test split);
+    max_turns: generated turns per coder; bash: also offer the `bash` tool (not a sandbox);
+    specs: TaskSpec per task name, for tasks outside `cooperbench_eval.MANIFEST`;
+    tool_timeout: seconds for run_tests and bash.
+    """
+
+    name = "cooperbench"
+    agent_name = "agent1"
+    partner_name = "agent2"
+    symmetric = True
+    default_simulator_reward = "shared"
+
+    def __init__(self, data, repos, tasks=None, subset=None, test_subset=None, max_turns: int = 50,
+                 bash: bool = False, specs: dict | None = None, tool_timeout: float = 120):
+        self.max_turns, self.bash, self.tool_timeout = max_turns, bash, tool_timeout
+        if bash:
+            print("warning: the cooperbench bash tool runs model-written commands with your rights; "
+                  "it is not a sandbox (only its environment is scrubbed)", file=sys.stderr)
+        self.task_dirs = find_task_dirs(data, tasks)
+        self.specs = {}
+        self.repos = {}
+        for t in self.task_dirs:
+            name = ev.task_name(t)
+            self.specs[name] = ev.task_spec(t, (specs or {}).get(name))   # unknown task: EvalError
+            self.repos[name] = find_repo(repos, t)
+        self.splits = {"train": self._pairs(subset), "test": self._pairs(test_subset) if test_subset else []}
+        self._scores: OrderedDict = OrderedDict()       # (task, patch hashes) -> evaluate_pair result
+        self._root: Path | None = None
+        self._tools = TOOLS + ([BASH_TOOL] if bash else [])
+
+    def _pairs(self, subset) -> list[CoopTask]:
+        chosen = read_subset(subset) if subset else None
+        out = []
+        for t in self.task_dirs:
+            name = ev.task_name(t)
+            if chosen is not None and name not in chosen:
+                continue
+            pairs = (chosen or {}).get(name) or list(itertools.combinations(features(t), 2))
+            out += [CoopTask(str(t), str(self.repos[name]), a, b) for a, b in pairs]
+        return out
+
+    def tasks(self, split: str = "train") -> list[CoopTask]:
+        if split not in self.splits:
+            raise ValueError(f"cooperbench has no split {split!r}; use train or test")
+        return list(self.splits[split])
+
+    # ------------------------------------------------------------------ what each coder sees
+    def coder(self, role: str) -> tuple[str, str]:
+        """(own name, other's name) of a role."""
+        return (self.agent_name, self.partner_name) if role == "agent" else (self.partner_name, self.agent_name)
+
+    def feature_of(self, task: CoopTask, role: str) -> int:
+        return task.feature1 if role == "agent" else task.feature2
+
+    def _messages(self, task: CoopTask, role: str) -> list[dict]:
+        me, other = self.coder(role)
+        text = (Path(task.task_dir) / f"feature{self.feature_of(task, role)}" / "feature.md").read_text()
+        return [{"role": "system", "content": SYSTEM.format(me=me, other=other, turns=self.max_turns)},
+                {"role": "user", "content": f"Your feature:\n\n{text.strip()}"}]
+
+    def agent_messages(self, task) -> list[dict]:
+        return self._messages(task, "agent")
+
+    def partner_messages(self, task) -> list[dict]:
+        return self._messages(task, "partner")
+
+    def agent_tools(self, task) -> list[dict]:
+        return self._tools
+
+    def partner_tools(self, task) -> list[dict]:
+        return self._tools
+
+    def first_speaker(self, task) -> str:
+        return "agent"
+
+    # ------------------------------------------------------------------ the turn loop
+    def _state(self, episode: Episode) -> dict:
+        return episode.info.setdefault("coop", {r: {"turns": 0, "submitted": False, "messages": 0,
+                                                    "tool_calls": 0, "tool_errors": 0} for r in ROLES})
+
+    def _done(self, state: dict, role: str) -> bool:
+        return state[role]["submitted"] or state[role]["turns"] >= self.max_turns
+
+    def workspace(self, episode: Episode, role: str) -> Workspace:
+        spaces = episode.info.setdefault("workspaces", {})
+        if role not in spaces:
+            if self._root is None or not self._root.exists():
+                self._root = Path(tempfile.mkdtemp(prefix="minscope-coders-"))
+                atexit.register(shutil.rmtree, self._root, True)
+            spaces[role] = Workspace(episode.task, self.specs[episode.task.name], self._root)
+        return spaces[role]
+
+    def after_turn(self, episode: Episode) -> Step:
+        turn = episode.turns[-1]
+        role = turn.role
+        other = "partner" if role == "agent" else "agent"
+        me, other_name = self.coder(role)
+        state = self._state(episode)
+        turn.public = False                    # coders see each other only through messages
+        parsed = parse_tool_calls(turn.text)
+        inject, names = [], []
+        if not parsed.calls:
+            inject.append(Turn("env", "Error: no tool call found. Every reply must call a tool, written as "
+                               '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>; call submit '
+                               "when you are done.", to=role, meta={"tool_name": None, "error": True}))
+            state[role]["tool_errors"] += 1
+        for call in parsed.calls:
+            if not isinstance(call, ToolCall):
+                text, error, name = call.message, True, None
+            else:
+                name = call.name
+                state[role]["tool_calls"] += 1
+                if name == "send_message":
+                    content = str(call.arguments.get("content", call.arguments.get("message", ""))).strip()
+                    if not content:
+                        text, error = "Error: send_message needs a non-empty `content`", True
+                    elif self._done(state, other):
+                        text, error = f"{other_name} has already finished; the message was not delivered", True
+                    else:
+                        state[role]["messages"] += 1
+                        inject.append(Turn("env", f"[Message from {me}]: {content}", to=other,
+                                           meta={"tool_name": "message", "from": role}))
+                        text, error = f"message sent to {other_name}", False
+                elif name == "submit":
+                    state[role]["submitted"] = True
+                    text, error = "submitted", False
+                else:
+                    text, error = run_tool(self.workspace(episode, role), call, self.tool_timeout, self.bash)
+            state[role]["tool_errors"] += error
+            names.append(name)
+            inject.append(Turn("env", text, to=role, meta={"tool_name": name, "error": error}))
+            if state[role]["submitted"]:
+                break                          # nothing after submit runs
+        turn.meta["tool_calls"] = names
+        state[role]["turns"] += 1
+        # The caller's results come first, then any message to the other coder.
+        inject.sort(key=lambda t: t.to != role)
+        if not self._done(state, other):
+            return Step(other, inject)
+        return Step(None if self._done(state, role) else role, inject)
+
+    # ------------------------------------------------------------------ reward
+    def evaluate(self, task: CoopTask, patch1: str, patch2: str) -> dict:
+        """evaluate_pair, remembered per (task, patches): many episodes submit the same
+        patches (often none at all)."""
+        key = (task.id, hashlib.sha1(patch1.encode()).hexdigest(), hashlib.sha1(patch2.encode()).hexdigest())
+        if key not in self._scores:
+            self._scores[key] = ev.evaluate_pair(task.task_dir, task.repo, task.feature1, task.feature2,
+                                                 patch1, patch2, spec=self.specs[task.name])
+            if len(self._scores) > 4096:
+                self._scores.popitem(last=False)
+        return self._scores[key]
+
+    def score(self, episode: Episode) -> tuple[float, dict]:
+        spaces = episode.info.pop("workspaces", {})
+        try:
+            patches = {r: spaces[r].patch() if r in spaces else "" for r in ROLES}
+        finally:
+            for ws in spaces.values():
+                ws.remove()
+        result = self.evaluate(episode.task, patches["agent"], patches["partner"])
+        state = self._state(episode)
+        coop = {"both_passed": result["both_passed"],
+                "feature1_passed": bool(result["feature1"]["passed"]),
+                "feature2_passed": bool(result["feature2"]["passed"]),
+                "merge": result["merge"]["status"], "merge_strategy": result["merge"]["strategy"],
+                "apply_status": result["apply_status"],
+                "patch_lines": {self.coder(r)[0]: len(patches[r].splitlines()) for r in ROLES},
+                **{key: {self.coder(r)[0]: state[r][k] for r in ROLES}
+                   for key, k in (("turns", "turns"), ("messages", "messages"), ("submitted", "submitted"),
+                                  ("tool_calls", "tool_calls"), ("tool_errors", "tool_errors"))}}
+        return float(result["both_passed"]), {"cooperbench": coop, "patches": patches}
