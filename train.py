@@ -13,6 +13,8 @@ results.json, plots). `--quick` runs the same code path in about three minutes (
 Real models and benchmarks:
     python train.py --env p4g --data PATH --policy Qwen/Qwen3-1.7B --simulator Qwen/Qwen3-1.7B --method vs
     python train.py --env tau2 --domain retail --policy ... --simulator ... --method population
+    python train.py --env cooperbench --data CooperBench/dataset --repos DIR --tasks pallets_click_task/task2068 \
+        --policy ... --method population-selfplay
 """
 
 from __future__ import annotations
@@ -59,13 +61,13 @@ REAL_DEFAULTS = dict(method="single", domain="retail", panel="", groups=16, grou
                      sim_lr=1e-5, eval_every=16, max_new_tokens=128, micro_batch=8)
 REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "panel", "load_in_4bit",
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
-             "no_grad_checkpointing", "thinking")
+             "no_grad_checkpointing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash")
 TOY_ONLY = ("quick", "methods", "ablations", "seeds", "workers", "cache_dir")
 
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--env", default="toy", choices=["toy", "p4g", "tau2", "wordgame"],
+    p.add_argument("--env", default="toy", choices=["toy", "p4g", "tau2", "cooperbench", "wordgame"],
                    help="environment (default: the built-in toy persuasion experiment)")
     p.add_argument("--quick", action="store_true", help="toy: a ~3 minute smoke run of the same code path (too small to show the effect)")
     p.add_argument("--name", help="run name: results go to RUNS_DIR/NAME (default: toy / toy-quick / env-method)")
@@ -91,6 +93,16 @@ def build_parser():
                    "paragraph (default: the environment's bank; tau2: minscope/envs/personas.txt)")
     p.add_argument("--data", help="p4g: path to the Persuasion for Good data (CSV release or ConvoKit dir)")
     p.add_argument("--domain", help="tau2: mock | airline | retail (default)")
+    p.add_argument("--repos", help="cooperbench: folder of the tasks' base repositories (git clones or "
+                   "`git archive` tarballs); --data is the CooperBench dataset/ folder")
+    p.add_argument("--tasks", help="cooperbench: comma-separated task names, e.g. pallets_click_task/task2068 "
+                   "(default: every task in --data)")
+    p.add_argument("--subset", help="cooperbench: an official subset file (subsets/*.json) choosing the training pairs")
+    p.add_argument("--test-subset", help="cooperbench: a subset file of held-out pairs for evaluation "
+                   "(default: none, so the training pairs are evaluated, with a warning)")
+    p.add_argument("--coder-turns", type=whole(1), help="cooperbench: model turns per coder (default 50)")
+    p.add_argument("--bash", action="store_true", help="cooperbench: also give the coders a bash tool "
+                   "(NOT a sandbox: commands run with your rights)")
     p.add_argument("--policy", help="policy model: Hugging Face name or local path")
     p.add_argument("--simulator", help="simulator model (default: same base as the policy)")
     p.add_argument("--panel", help="held-out evaluation simulators, comma-separated "
@@ -147,7 +159,7 @@ def check_toy_args(p, args):
     real = [flag(k) for k in REAL_ONLY if k in given(args)]
     if real:
         p.error(f"{', '.join(real)} {'is' if len(real) == 1 else 'are'} for real-model runs (--env "
-                "p4g|tau2|wordgame); the toy experiment picks its arms with --methods (choices: "
+                "p4g|tau2|cooperbench|wordgame); the toy experiment picks its arms with --methods (choices: "
                 + ",".join(TOY_METHODS) + ")")
     if args.methods:
         bad = [m for m in split_list(p, "methods", args.methods) if m not in TOY_METHODS]

@@ -87,6 +87,20 @@ def make_env(args):
             return Tau2Env(args.domain)
         except (ImportError, ValueError) as e:   # tau2 not installed, or an unknown domain
             raise SystemExit(f"error: {e}") from None
+    if args.env == "cooperbench":
+        from .envs.cooperbench import CooperBenchEnv
+        from .envs.cooperbench_eval import EvalError
+
+        if not args.data or not getattr(args, "repos", None):
+            raise SystemExit("--env cooperbench needs --data PATH (the dataset/ folder of a CooperBench checkout) "
+                             "and --repos DIR (the tasks' base repositories: git clones or `git archive` tarballs)")
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if getattr(args, "tasks", None) else None
+        try:
+            return CooperBenchEnv(args.data, args.repos, tasks=tasks, subset=getattr(args, "subset", None),
+                                  test_subset=getattr(args, "test_subset", None),
+                                  max_turns=getattr(args, "coder_turns", None) or 50, bash=bool(getattr(args, "bash", False)))
+        except (FileNotFoundError, EvalError) as e:   # missing data, or a task that needs Docker
+            raise SystemExit(f"error: {e}") from None
     if args.env == "wordgame":
         from .envs.wordgame import WordGame
 
@@ -334,6 +348,9 @@ def check_args(args, env):
     check_served(args)
     args.policy, args.simulator, args.data = resolve_path(args.policy), resolve_path(args.simulator), resolve_path(args.data)
     args.personas = resolve_path(args.personas)
+    for key in ("repos", "subset", "test_subset"):          # cooperbench's paths
+        if getattr(args, key, None):
+            setattr(args, key, resolve_path(getattr(args, key)))
     args.steps = args.steps if args.steps is not None else DEFAULT_STEPS
     return personas
 
