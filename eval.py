@@ -16,6 +16,7 @@ policy adapter plays the test tasks against the run's panel (see minscope/real_r
 
     python eval.py runs/p4g-vs --episodes 4                  P4G: reward, donations, transcripts
     python eval.py runs/tau2-single --trials 4               tau2: success per domain, pass^1..4
+    python eval.py runs/cooperbench-selfplay --trials 4      CooperBench: success, pass^1..4, per feature
     python eval.py runs/p4g-vs --checkpoint best --panel unseen:/models/Llama-3.2-3B-Instruct
 """
 
@@ -41,7 +42,8 @@ def parse_args(argv=None):
                    "meter against sim-a (into eval.jsonl)")
     p.add_argument("--cache-dir", default=".cache/minscope", help="where the toy's tiny models are cached")
     # real-model runs
-    p.add_argument("--trials", type=whole(1), default=4, help="tau2: trials per task (reports pass^1..K)")
+    p.add_argument("--trials", type=whole(1), default=4, help="tau2, cooperbench: trials per task "
+                   "(reports pass^1..K)")
     p.add_argument("--checkpoint", default="latest", help="real runs: latest | best | a step number")
     p.add_argument("--panel", help="real runs: replace the run's panel (train.py --panel syntax)")
     p.add_argument("--max-tasks", type=whole(1), help="real runs: evaluate only the first N test tasks")

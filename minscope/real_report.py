@@ -3,6 +3,7 @@
     python eval.py runs/p4g-vs                       the latest policy-step*/ vs the run's panel
     python eval.py runs/p4g-vs --checkpoint best     the step with the best panel mean in training
     python eval.py runs/tau2-single --trials 4       tau2: 4 trials per task -> pass^1..pass^4
+    python eval.py runs/cooperbench-selfplay --trials 4   CooperBench: the same, per pair
 
 The run's config.json (train.py's arguments) rebuilds the environment and the models
 (`runner.build_models`); the policy adapter is loaded from `policy-step{N}/` (PEFT format).
@@ -16,6 +17,9 @@ What the report holds:
   tau2  success rate per member and domain (95% bootstrap CI over episodes), pass^k for
         k = 1..trials (unbiased, per task, averaged over tasks), how episodes ended, tool
         use, the training log and transcripts.
+  CooperBench  success (both features pass on the merged patches) per member with CI, pass^k
+        over trials, each feature's pass rate, merges (clean / union), messages sent, turns
+        used and submissions per coder, the training log and transcripts.
 Summaries (no transcripts) also go to eval.json.
 """
 
@@ -118,6 +122,33 @@ def tau2_summary(episodes, trials: int) -> dict:
     }
 
 
+def cooperbench_summary(episodes, trials: int) -> dict:
+    """Success with CI, pass^k, per-feature pass rates, merges, messages and turns per coder."""
+    info = [ep.info.get("cooperbench") for ep in episodes]
+    scored = [c for c in info if c]
+    success = [ep.reward >= SUCCESS for ep in episodes]
+    per_task = [success[i:i + trials] for i in range(0, len(success), trials)]   # rollout groups
+
+    def per_coder(key):
+        return {name: _mean([c[key][name] for c in scored]) for name in (scored[0][key] if scored else {})}
+
+    merges = {}
+    for c in scored:
+        k = c["merge"] if c["merge"] != "conflicts" else f"conflicts ({c['merge_strategy']})"
+        merges[k] = merges.get(k, 0) + 1
+    return {
+        "success": summarize([float(s) for s in success]),
+        "pass_hat_k": {k: pass_hat_k(per_task, k) for k in range(1, trials + 1)},
+        "tasks": len(per_task),
+        "feature1_pass": _mean([c["feature1_passed"] for c in scored]),
+        "feature2_pass": _mean([c["feature2_passed"] for c in scored]),
+        "merges": merges,
+        "messages": per_coder("messages"), "turns": per_coder("turns"),
+        "submitted": per_coder("submitted"), "tool_errors": per_coder("tool_errors"),
+        "score_errors": sum("score_error" in ep.info for ep in episodes),
+    }
+
+
 # --------------------------------------------------------------------------- evaluation
 def evaluate_run(run_dir, episodes: int = 4, trials: int = 4, checkpoint: str = "latest",
                  panel: str | None = None, max_tasks: int | None = None) -> dict:
@@ -135,7 +166,7 @@ def evaluate_run(run_dir, episodes: int = 4, trials: int = 4, checkpoint: str = 
     models = build_models(args, panel_spec=panel)
     models_thinking(models, bool(getattr(args, "thinking", False)))   # as the run was trained
     load_adapter(models.policy_model, "policy", folder)
-    per_task = trials if args.env == "tau2" else episodes
+    per_task = trials if args.env in ("tau2", "cooperbench") else episodes
     torch.manual_seed(0)
     res = evaluate_panel(env, models.policy, models.panel, tasks, episodes_per_task=per_task)
     members = {}
@@ -144,6 +175,7 @@ def evaluate_run(run_dir, episodes: int = 4, trials: int = 4, checkpoint: str = 
             continue                              # the seen/unseen group means
         eps = r["episodes"]
         summary = tau2_summary(eps, trials) if args.env == "tau2" else (
+            cooperbench_summary(eps, trials) if args.env == "cooperbench" else
             p4g_summary(eps) if args.env == "p4g" else {"reward": summarize([e.reward for e in eps])})
         members[name] = {"kind": r["kind"], "summary": summary, "episodes": eps}
     return {"config": vars(args), "step": step, "checkpoint": checkpoint, "split": split,
@@ -220,6 +252,38 @@ def tau2_sections(members: dict, domain: str, trials: int) -> list[str]:
     return out
 
 
+def cooperbench_sections(members: dict, trials: int) -> list[str]:
+    ks = range(1, trials + 1)
+    out = ["## Success per panel member", "",
+           "The trained coder (agent1) works with the panel member as agent2. Success = both features' "
+           "hidden tests pass on the two patches merged as CooperBench's evaluator merges them; 95% "
+           f"bootstrap CI over episodes. pass^k: the chance that k of the {trials} trials of a pair all "
+           "succeed, averaged over pairs.", "",
+           "| member | kind | success | 95% CI | " + " | ".join(f"pass^{k}" for k in ks) +
+           " | feature 1 passes | feature 2 passes | pairs |", "|---|---|---|---|" + "---|" * trials + "---|---|---|"]
+    for name, m in members.items():
+        s = m["summary"]
+        phk = " | ".join(_f(s["pass_hat_k"][k]) for k in ks)
+        out.append(f"| {name} | {m['kind']} | {_f(s['success']['mean'])} | {_ci(s['success'])} | {phk} | "
+                   f"{_f(s['feature1_pass'])} | {_f(s['feature2_pass'])} | {s['tasks']} |")
+    out += [""] + _group_means(members, lambda s: s["success"]["mean"])
+    out += ["", "## Episodes", "",
+            "Per episode and coder (agent1 / agent2): messages sent, turns used, submitted (share), tool "
+            "errors; how the two patches merged.", "",
+            "| member | messages | turns | submitted | tool errors | merges | evaluator errors |",
+            "|---|---|---|---|---|---|---|"]
+
+    def pair(d, nd):
+        return " / ".join(_f(v, nd) for v in d.values()) or "n/a"
+
+    for name, m in members.items():
+        s = m["summary"]
+        merges = ", ".join(f"{k} {v}" for k, v in sorted(s["merges"].items()))
+        out.append(f"| {name} | {pair(s['messages'], 2)} | {pair(s['turns'], 1)} | {pair(s['submitted'], 2)} | "
+                   f"{pair(s['tool_errors'], 2)} | {merges} | {s['score_errors']} |")
+    return out
+
+
 def training_log(run_dir: Path) -> list[str]:
     """The evaluations train.py logged, and the training reward's first and last values."""
     path = run_dir / "metrics.jsonl"
@@ -277,6 +341,8 @@ def format_episode(ep, names) -> str:
     lines = []
     for t in ep.turns:
         who = label[t.role] + (" (tool call)" if t.role == "agent" and t.meta.get("tool_calls") is not None else "")
+        if t.role == "env" and t.to and t.to != "agent":      # a result addressed to the partner
+            who = f"tool result to {names[1]}"
         lines.append(f"{who}: " + t.text.strip().replace("\n", "\n    "))
     return "\n".join(lines)
 
@@ -321,6 +387,8 @@ def render_report(run_dir: Path, result: dict | None, transcripts_per_member: in
             lines += p4g_sections(members)
         elif cfg["env"] == "tau2":
             lines += tau2_sections(members, cfg["domain"], result["per_task"])
+        elif cfg["env"] == "cooperbench":
+            lines += cooperbench_sections(members, result["per_task"])
         else:
             lines += ["| member | kind | mean reward | 95% CI |", "|---|---|---|---|"]
             lines += [f"| {k} | {m['kind']} | {_f(m['summary']['reward']['mean'])} | {_ci(m['summary']['reward'])} |"

@@ -286,6 +286,71 @@ def test_tools_stay_inside_the_workspace(toy):
     env.score(ep)
 
 
+# --------------------------------------------------------------------------- real models, every method
+TINY = ["--groups", "1", "--group-size", "2", "--steps", "1", "--eval-every", "1", "--max-new-tokens", "8",
+        "--coder-turns", "2", "--no-grad-checkpointing"]
+METHOD_RUNS = {"base": ("single", "--steps", "0"), "cross-play": ("single",), "cross-play-ensemble": ("ensemble",),
+               "self-play": ("selfplay",), "population-self-play": ("population-selfplay",)}
+
+
+@pytest.fixture(scope="module")
+def coop_runs(toy, tmp_path_factory):
+    """`train.py --env cooperbench` with a tiny random Qwen3 (real Qwen3 chat template, which
+    lists the tools) for every method of the paper's Table 2 on the fixture task."""
+    import train as train_cli
+    from minscope.models import build_tiny_model
+    from test_chat_templates import make_tokenizer
+
+    task, _ = toy
+    env = env_for(task)
+    t = env.tasks("train")[0]
+    corpus = [m["content"] for r in ("agent", "partner") for m in env._messages(t, r)] + [json.dumps(env.agent_tools(t))]
+    tok = make_tokenizer("qwen3", corpus, vocab_size=600)
+    model_dir = tmp_path_factory.mktemp("coop-model") / "qwen3"
+    build_tiny_model(tok, "qwen3", hidden_size=32, seed=0).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    runs = tmp_path_factory.mktemp("coop-runs")
+    mp = pytest.MonkeyPatch()
+    mp.setitem(ev.MANIFEST, NAME, SPEC)          # the fixture task, as if it were in the manifest
+    data = ["--data", str(task.parent.parent), "--repos", str(task.parent.parent.parent / "repos"), "--tasks", NAME]
+    try:
+        for label, (method, *extra) in METHOD_RUNS.items():
+            panel = ["--panel", str(model_dir)] if method == "ensemble" else []
+            argv = ["--env", "cooperbench", *data, "--policy", str(model_dir), "--method", method,
+                    "--runs-dir", str(runs), "--name", label, *TINY, *panel, *extra]
+            train_cli.main(argv)
+        yield runs, mp
+    finally:
+        mp.undo()
+
+
+def test_every_method_runs_on_cooperbench_with_a_tiny_real_model(coop_runs):
+    runs, _ = coop_runs
+    for label in METHOD_RUNS:
+        recs = [json.loads(x) for x in (runs / label / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in recs if r["kind"] == "train"]
+        assert len(steps) == (0 if label == "base" else 1), label
+        for r in steps:
+            assert r["train_reward"] == 0.0 and r["score_errors"] == 0 and r["exact_stream_frac"] == 1.0
+        assert [r["step"] for r in recs if r["kind"] == "eval"] == ([0] if label == "base" else [0, 1])
+    pop = [json.loads(x) for x in (runs / "population-self-play" / "metrics.jsonl").read_text().splitlines()]
+    assert pop[1]["pool_size"] == 1
+
+
+def test_eval_reports_success_pass_hat_k_per_feature_messages_and_turns(coop_runs):
+    import eval as eval_cli
+
+    runs, _ = coop_runs
+    run_dir = runs / "self-play"
+    eval_cli.main([str(run_dir), "--trials", "2", "--max-tasks", "1", "--transcripts", "1"])
+    report = (run_dir / "report.md").read_text()
+    assert "## Success per panel member" in report and "pass^2" in report and "feature 1 passes" in report
+    member = json.loads((run_dir / "eval.json").read_text())["members"]["train-simulator"]
+    assert member["success"]["n"] == 2 and member["tasks"] == 1 and member["feature1_pass"] == 0.0
+    assert set(member["turns"]) == {"agent1", "agent2"} and all(0 < v <= 2 for v in member["turns"].values())
+    assert set(member["messages"]) == {"agent1", "agent2"} and member["score_errors"] == 0
+
+
 # --------------------------------------------------------------------------- the reference verdicts
 DATA = os.environ.get("MINSCOPE_COOPERBENCH_DATA")
 SAMPLES = {"dirty_equals_43": ("samuelcolvin_dirty_equals_task/task43", 9, 36, 21),

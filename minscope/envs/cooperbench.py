@@ -53,6 +53,8 @@ from .base import Environment, Episode, Step, Turn
 TOOL_OUTPUT_CHARS = 4000      # tool results are cut to this many characters (head + tail)
 LIST_LIMIT = 300              # entries list_files shows
 SEARCH_LIMIT = 50             # matching lines search shows
+SCORE_CACHE = 4096            # pair verdicts remembered (per process)
+_SCORES: OrderedDict = OrderedDict()   # (task, repo, features, spec, patch hashes) -> evaluate_pair result
 
 
 # --------------------------------------------------------------------------- tasks
@@ -332,7 +334,6 @@ class CooperBenchEnv(Environment):
             self.specs[name] = ev.task_spec(t, (specs or {}).get(name))   # unknown task: EvalError
             self.repos[name] = find_repo(repos, t)
         self.splits = {"train": self._pairs(subset), "test": self._pairs(test_subset) if test_subset else []}
-        self._scores: OrderedDict = OrderedDict()       # (task, patch hashes) -> evaluate_pair result
         self._root: Path | None = None
         self._tools = TOOLS + ([BASH_TOOL] if bash else [])
 
@@ -449,15 +450,18 @@ class CooperBenchEnv(Environment):
 
     # ------------------------------------------------------------------ reward
     def evaluate(self, task: CoopTask, patch1: str, patch2: str) -> dict:
-        """evaluate_pair, remembered per (task, patches): many episodes submit the same
-        patches (often none at all)."""
-        key = (task.id, hashlib.sha1(patch1.encode()).hexdigest(), hashlib.sha1(patch2.encode()).hexdigest())
-        if key not in self._scores:
-            self._scores[key] = ev.evaluate_pair(task.task_dir, task.repo, task.feature1, task.feature2,
-                                                 patch1, patch2, spec=self.specs[task.name])
-            if len(self._scores) > 4096:
-                self._scores.popitem(last=False)
-        return self._scores[key]
+        """evaluate_pair, remembered for the process: many episodes submit the same patches
+        (often none at all), and the verdict depends on nothing else."""
+        spec = self.specs[task.name]
+        key = (task.task_dir, task.repo, task.feature1, task.feature2, spec,
+               hashlib.sha1(patch1.encode()).hexdigest(), hashlib.sha1(patch2.encode()).hexdigest())
+        if key not in _SCORES:
+            _SCORES[key] = ev.evaluate_pair(task.task_dir, task.repo, task.feature1, task.feature2,
+                                            patch1, patch2, spec=spec)
+            if len(_SCORES) > SCORE_CACHE:
+                _SCORES.popitem(last=False)
+        _SCORES.move_to_end(key)
+        return _SCORES[key]
 
     def score(self, episode: Episode) -> tuple[float, dict]:
         spaces = episode.info.pop("workspaces", {})
