@@ -311,6 +311,9 @@ def main(argv=None):
             args.env = read_json(saved).get("env", args.env)   # a real-model run
     try:
         if args.env == "toy":
+            from minscope.distributed import refuse_toy
+
+            refuse_toy()                  # torchrun is for real environments
             run_toy(args)
         else:
             from minscope.runner import run_real

@@ -147,6 +147,13 @@ def simulator_advantages(sim_rewards: torch.Tensor, group_size: int, reward: str
     """Advantages of the trained simulator's episodes (see `resolve_sim_baseline`)."""
     if resolve_sim_baseline(reward, baseline) == "group":
         return group_advantages(sim_rewards, group_size)[0]
+    from . import distributed
+
+    if distributed.active():      # torchrun: the baseline of every rank's batch together
+        n = distributed.all_sum(float(sim_rewards.numel()))
+        mean = distributed.all_sum(sim_rewards.sum()) / n
+        std = (distributed.all_sum(((sim_rewards - mean) ** 2).sum()) / n).sqrt()
+        return torch.zeros_like(sim_rewards) if std < 1e-6 else (sim_rewards - mean) / std
     std = sim_rewards.std(unbiased=False)
     return torch.zeros_like(sim_rewards) if std < 1e-6 else (sim_rewards - sim_rewards.mean()) / std
 
@@ -202,13 +209,17 @@ def partner_turns_as_agent(episodes: list[Episode]) -> list[Episode]:
     return out
 
 
-def train_step(method: Method, env, tasks, group_size: int, step: int) -> dict:
-    """One step of any method. Returns a flat dict of metrics for metrics.jsonl."""
+def train_step(method: Method, env, tasks, group_size: int, step: int, first_group: int = 0,
+               seed: int | None = None) -> dict:
+    """One step of any method. Returns a flat dict of metrics for metrics.jsonl.
+
+    first_group: the number of the first task's group (a torchrun rank's share starts
+    later); seed: the rollout chunks' random streams (see `rollout`)."""
     m = method
     pad = m.policy.tokenizer.pad_token_id
     if isinstance(m.partner, Verbalized):
         m.partner.stats.reset()           # the vs_* metrics count this step's rollout only
-    episodes = rollout(env, tasks, m.policy, m.partner, group_size)
+    episodes = rollout(env, tasks, m.policy, m.partner, group_size, first_group=first_group, seed=seed)
     rewards = torch.tensor([ep.reward for ep in episodes])
     adv, zero_var = group_advantages(rewards, group_size)
     train_eps, train_adv = episodes, adv

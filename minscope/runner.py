@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import random
 import sys
 import time
@@ -47,6 +48,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from . import distributed
 from .envs.base import read_personas
 from .evaluate import eval_seed, evaluate_panel, isolated_rng
 from .files import RunLock, load_state as load_state_file, read_json, read_jsonl, save_atomic, truncate_log, write_text_atomic
@@ -263,7 +265,18 @@ def restore_args(args) -> argparse.Namespace:
     return argparse.Namespace(**merged)
 
 
+def rank_streams(method) -> dict:
+    """This process's random streams (torch, python, the partner's draws)."""
+    rng = getattr(method.partner, "rng", None)
+    return {"torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
+            "partner_rng": rng.getstate() if rng is not None else None}
+
+
 def save_state(path: Path, step: int, models: Models, method, best: dict):
+    """Write state.pt (under torchrun: rank 0, with every rank's random streams)."""
+    ranks = distributed.gather(rank_streams(method))       # every rank takes part
+    if not distributed.is_main():
+        return
     st = {"step": step, "policy": adapter_state(models.policy_model, "policy"),
           "policy_opt": method.policy_opt.state_dict(), "torch_rng": torch.get_rng_state(),
           "py_rng": random.getstate(), "best": best}
@@ -276,6 +289,8 @@ def save_state(path: Path, step: int, models: Models, method, best: dict):
         st["partner"] = partner.state()
     elif hasattr(partner, "rng"):                # VS draws, persona draws
         st["partner_rng"] = partner.rng.getstate()
+    if len(ranks) > 1:
+        st.update(world_size=len(ranks), ranks=ranks)
     save_atomic(st, path)                        # never leave a half-written state behind
 
 
@@ -295,6 +310,17 @@ def load_state(path: Path, models: Models, method) -> tuple[int, dict]:
     if "cuda_rng" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda_rng"])
     random.setstate(st["py_rng"])
+    saved, world = st.get("world_size", 1), distributed.world_size()
+    if saved != world:
+        how = f"torchrun --nproc_per_node {saved} train.py ..." if saved > 1 else "python train.py ... (one process)"
+        raise SystemExit(f"{path} was saved by {saved} process(es), this job has {world}: each process continues "
+                         f"its own random streams, so resume it the same way: {how}")
+    if world > 1:                                # this rank's own streams
+        own = st["ranks"][distributed.rank()]
+        torch.set_rng_state(own["torch_rng"])
+        random.setstate(own["py_rng"])
+        if own["partner_rng"] is not None:
+            method.partner.rng.setstate(own["partner_rng"])
     return st["step"] + 1, st.get("best", {})
 
 
@@ -511,6 +537,10 @@ def evaluate_and_save(env, models, method, tasks, split, step, run_dir, best,
 
 
 def run_real(args):
+    """Train a real-model run; under `torchrun --nproc_per_node N` every rank plays its
+    share of each step's groups and rank 0 alone evaluates and writes (minscope.distributed)."""
+    rank, world = distributed.setup()
+    main = rank == 0
     if args.resume:
         args = restore_args(args)
     env = make_env(args)                    # before loading any model: fail fast on data
@@ -520,31 +550,39 @@ def run_real(args):
     if not train_tasks:
         raise SystemExit(f"{env.name} has no training tasks: is the data complete?")
     test_tasks, split = eval_tasks(env)
+    if world > 1 and args.groups % world:
+        raise SystemExit(f"--groups {args.groups} cannot be split evenly over {world} processes; "
+                         f"give a multiple of {world}")
     run_dir = Path(args.resume) if args.resume else Path(args.runs_dir) / (args.name or f"{args.env}-{args.method}")
     if not args.resume and (run_dir / "state.pt").exists():
         raise SystemExit(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
                          "or pick another --name")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    RunLock(run_dir).acquire()                 # one process per run folder; released at exit
+    if main:                                   # under torchrun rank 0 alone writes the run folder
+        run_dir.mkdir(parents=True, exist_ok=True)
+        RunLock(run_dir).acquire()             # one process (job) per run folder; released at exit
     if args.resume and (run_dir / "state.pt").exists():
         load_state_file(run_dir / "state.pt")  # a damaged state stops here, before any model loads
     if args.resume and (run_dir / "metrics.jsonl").exists():
         read_jsonl(run_dir / "metrics.jsonl", warn=lambda msg: None)   # so does a damaged log
-    write_text_atomic(run_dir / "config.json", json.dumps({**vars(args), "resume": None}, indent=2))
+    if main:
+        write_text_atomic(run_dir / "config.json", json.dumps({**vars(args), "resume": None}, indent=2))
     models, method = build_real_method(args, env, personas)
+    distributed.decorrelate(method.partner)    # ranks > 0: their own draws (a resume restores them)
     chunk = getattr(args, "rollout_batch", None) or default_rollout_batch(args, env, models)
     eval_temperature = getattr(args, "eval_temperature", None) or 0.0
-    print(f"rollouts: at most {chunk} episodes at once; gradient checkpointing "
-          f"{'off' if getattr(args, 'no_grad_checkpointing', False) else 'on'}; micro-batches of "
-          f"{args.micro_batch}; evaluation at temperature {eval_temperature:g}")
-    print(f"{env.name}: {len(train_tasks)} training tasks, {len(test_tasks)} {split} tasks for evaluation; "
-          f"method {args.method}; run dir {run_dir}")
+    say = print if main else (lambda *a, **k: None)
+    say(f"rollouts: at most {chunk} episodes at once; gradient checkpointing "
+        f"{'off' if getattr(args, 'no_grad_checkpointing', False) else 'on'}; micro-batches of "
+        f"{args.micro_batch}; evaluation at temperature {eval_temperature:g}")
+    say(f"{env.name}: {len(train_tasks)} training tasks, {len(test_tasks)} {split} tasks for evaluation; "
+        f"method {args.method}; run dir {run_dir}" + (f"; {world} processes (torchrun)" if world > 1 else ""))
 
     state_path, log_path, start, best = run_dir / "state.pt", run_dir / "metrics.jsonl", 0, {}
     if state_path.exists():
         start, best = load_state(state_path, models, method)
-        print(f"resuming at step {start}")
-    truncate_log(log_path, start - 1)          # steps after the saved state are redone
+        say(f"resuming at step {start}")
+    if main:
+        truncate_log(log_path, start - 1)      # steps after the saved state are redone
     served = served_speakers(method.partner, models.frozen, [s for s, _ in models.panel.values()])
     monitor = CollapseMonitor(panel_key="panel_mean", real_key=None)   # the live collapse monitor
     if log_path.exists():
@@ -553,10 +591,10 @@ def run_real(args):
     def write(rec):
         log.write(json.dumps(rec) + "\n")
         log.flush()
-    with log_path.open("a") as log:
+    with (log_path.open("a") if main else open(os.devnull, "w")) as log:
         for step in tqdm(range(start, args.steps + 1), desc=f"{args.env}/{args.method}", initial=start,
-                         total=args.steps + 1):
-            if step % args.eval_every == 0 or step == args.steps:
+                         total=args.steps + 1, disable=not main):
+            if main and (step % args.eval_every == 0 or step == args.steps):
                 with rollout_batch(chunk):
                     rec, best = evaluate_and_save(env, models, method, test_tasks[: args.groups], split, step,
                                                   run_dir, best, eval_temperature)
@@ -567,9 +605,10 @@ def run_real(args):
             t0 = time.time()
             # Tasks drawn from a per-step seed: a resumed run draws what it would have drawn.
             batch = random.Random(step).sample(train_tasks, min(args.groups, len(train_tasks)))
+            batch, first_group = distributed.shard(batch)     # the whole batch in one process
             try:
-                with rollout_batch(chunk):
-                    metrics = train_step(method, env, batch, args.group_size, step)
+                with rollout_batch(chunk):   # each chunk of groups samples from a stream of (step, its first group)
+                    metrics = train_step(method, env, batch, args.group_size, step, first_group, seed=step)
             except StreamError as e:
                 reason = models.policy.chat.probe() or "it renders a new turn differently from the history"
                 raise SystemExit(f"error: step {step}: {e}. The policy's chat template: {reason}. "
@@ -580,7 +619,9 @@ def run_real(args):
             rollout_s = episodes[0].info.get("rollout_s", 0.0)
             metrics.update(kind="train", seconds=seconds, rollout_s=rollout_s, update_s=seconds - rollout_s,
                            **stream_stats(method, episodes), **take_usage(served))
+            metrics = distributed.merge_metrics(metrics)
             log_with_alarms(monitor, metrics, write, tqdm.write)
             save_state(state_path, step, models, method, best)
-    print(f"done: {run_dir}")
+    say(f"done: {run_dir}")
+    distributed.cleanup()
     return run_dir

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import distributed
 from .errors import RunStopped
 from .grpo import aggregation_weights, kl_log_ratio, token_loss
 from .logprobs import fused_grpo_token_loss, token_logprobs
@@ -70,6 +71,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     ids, attn = batch.input_ids.to(device), batch.attention_mask.to(device)
     mask, old = batch.loss_mask.to(device), batch.old_logp.to(device)
     weights = aggregation_weights(mask, cfg.aggregation, cfg.max_len)                # [B, T-1]
+    weights = distributed.rescale_weights(weights, mask, cfg.aggregation, cfg.max_len)   # torchrun: whole batch
     ref = None
     if cfg.beta:   # the reference model = the base with adapters disabled (micro-batched too)
         with torch.no_grad():
@@ -82,7 +84,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     model.train()
     sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
     skipped = 0
-    n_tok = mask.sum().clamp_min(1)
+    n_tok = distributed.all_sum(mask.sum()).clamp_min(1)     # over every rank's batch under torchrun
     for _ in range(cfg.epochs):
         optimizer.zero_grad(set_to_none=True)
         epoch = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0}
@@ -109,6 +111,8 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
             if ref is not None:
                 d = kl_log_ratio(ref[sl], logp.detach(), mask[sl])   # no exp where untrained
                 epoch["kl"] += ((d.exp() - d - 1) * mask[sl]).sum().item() / n_tok.item() / cfg.epochs
+        distributed.all_reduce_grads(params)      # torchrun: the whole batch's gradient on every rank
+        epoch, finite = distributed.sum_stats(epoch), distributed.all_true(finite)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         if finite and math.isfinite(grad_norm):
             optimizer.step()
