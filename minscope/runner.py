@@ -165,6 +165,14 @@ def _attach_adapter(model, name: str, folder: Path):
     return PeftModel.from_pretrained(model, str(folder), adapter_name=name)
 
 
+def served_name(spec: str) -> str:
+    """A panel label for a served member: its model name (the spec itself if unreadable)."""
+    try:
+        return parse_spec(spec)[0].replace("/", "_")
+    except ValueError:
+        return spec
+
+
 @dataclass
 class Models:
     """Everything a real run or its evaluation samples from."""
@@ -218,14 +226,17 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
                       max_new_tokens=args.max_new_tokens, name=name)
 
     def served_speaker(name, spec):
-        return ServedSpeaker.from_spec(spec, temperature=SAMPLING_TEMPERATURE,
-                                       max_new_tokens=args.max_new_tokens, name=name)
+        try:
+            return ServedSpeaker.from_spec(spec, temperature=SAMPLING_TEMPERATURE,
+                                           max_new_tokens=args.max_new_tokens, name=name)
+        except ValueError as e:                # eval.py --panel reaches here unchecked
+            raise SystemExit(f"error: {e}") from None
 
     frozen = (served_speaker("train-simulator", args.simulator) if served_sim else
               frozen_speaker("train-simulator", sim_model, sim_tok))
     panel = {"train-simulator": (frozen, "seen")}
     for i, (path, kind) in enumerate(specs):
-        name = base = parse_spec(path)[0].replace("/", "_") if is_spec(path) else (Path(path).name or path)
+        name = base = served_name(path) if is_spec(path) else (Path(path).name or path)
         while name in panel:                   # names must be unique (they label episodes)
             name = f"{base}-{len(panel)}"
         if is_spec(path):                      # an OpenAI-compatible endpoint
@@ -619,6 +630,8 @@ def run_real(args):
             rollout_s = episodes[0].info.get("rollout_s", 0.0)
             metrics.update(kind="train", seconds=seconds, rollout_s=rollout_s, update_s=seconds - rollout_s,
                            **stream_stats(method, episodes), **take_usage(served))
+            if hasattr(env, "step_metrics"):     # the environment's own means (CooperBench: per feature, per coder)
+                metrics.update(env.step_metrics(episodes))
             metrics = distributed.merge_metrics(metrics)
             log_with_alarms(monitor, metrics, write, tqdm.write)
             save_state(state_path, step, models, method, best)

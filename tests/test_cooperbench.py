@@ -284,6 +284,15 @@ def test_tools_stay_inside_the_workspace(toy):
     assert "tests/test_calc.py" in results[4] and "unknown tool 'bash'" in results[5]
     assert step.next_speaker == "partner"
     env.score(ep)
+    env = env_for(task, max_turns=1, bash=True)
+    ep = Episode(task=env.tasks("train")[0], group=0)
+    ep.turns.append(Turn("agent", format_tool_call("bash", {"command": "echo $HOME; pwd; echo data > new.txt"})))
+    (result,) = env.after_turn(ep).inject
+    out = json.loads(result.text)
+    home, cwd = out["output"].split()
+    assert out["returncode"] == 0 and home != str(Path.home()) and cwd.endswith("repo")
+    _, info = env.score(ep)
+    assert "+data" in info["patches"]["agent"] and "new.txt" in info["patches"]["agent"]   # new files count
 
 
 # --------------------------------------------------------------------------- real models, every method
@@ -332,6 +341,7 @@ def test_every_method_runs_on_cooperbench_with_a_tiny_real_model(coop_runs):
         assert len(steps) == (0 if label == "base" else 1), label
         for r in steps:
             assert r["train_reward"] == 0.0 and r["score_errors"] == 0 and r["exact_stream_frac"] == 1.0
+            assert r["feature1_pass"] == 0.0 and 0 < r["turns_agent1"] <= 2 and "messages_agent2" in r
         assert [r["step"] for r in recs if r["kind"] == "eval"] == ([0] if label == "base" else [0, 1])
     pop = [json.loads(x) for x in (runs / "population-self-play" / "metrics.jsonl").read_text().splitlines()]
     assert pop[1]["pool_size"] == 1

@@ -448,6 +448,20 @@ class CooperBenchEnv(Environment):
             return Step(other, inject)
         return Step(None if self._done(state, role) else role, inject)
 
+    def step_metrics(self, episodes: list[Episode]) -> dict:
+        """Means over a training step's episodes for metrics.jsonl: each feature's pass rate,
+        and per coder the messages sent, turns used and how often it submitted."""
+        coop = [ep.info["cooperbench"] for ep in episodes if "cooperbench" in ep.info]
+        if not coop:
+            return {}
+        n = len(coop)
+        out = {"feature1_pass": sum(c["feature1_passed"] for c in coop) / n,
+               "feature2_pass": sum(c["feature2_passed"] for c in coop) / n}
+        for key in ("messages", "turns", "submitted"):
+            for name in (self.agent_name, self.partner_name):
+                out[f"{key}_{name}"] = sum(float(c[key][name]) for c in coop) / n
+        return out
+
     # ------------------------------------------------------------------ reward
     def evaluate(self, task: CoopTask, patch1: str, patch2: str) -> dict:
         """evaluate_pair, remembered for the process: many episodes submit the same patches

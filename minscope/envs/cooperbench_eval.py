@@ -49,7 +49,9 @@ from pathlib import Path
 OUTPUT_CHARS = 20_000        # test output kept in a result (head + tail); counts use all of it
 READ_LIMIT = 8 * 2**20       # bytes of test output read back (a runaway test can print forever)
 DEFAULT_TIMEOUT = 600        # seconds, when runner.sh has no `timeout N` of its own
-_PYTEST = ["pytest==8.3.5", "pytest-xdist==3.6.1", "pytest-mock==3.14.0"]   # runner.sh's pytest tools
+# runner.sh's `pip install pytest pytest-xdist pytest_mock`, pinned. pytest >= 8.4 matters: it reports
+# an exception in a test's thread as an error, which the reference verdicts count.
+_PYTEST = ["pytest==9.2.0", "pytest-xdist==3.8.0", "pytest-mock==3.17.0"]
 
 
 @dataclass(frozen=True)
@@ -322,8 +324,10 @@ def test_python(spec: TaskSpec) -> str:
 
 def test_env(tree: Path, spec: TaskSpec, home: Path) -> dict:
     """The environment of a test run: the patched tree first on PYTHONPATH, nothing inherited
-    but PATH, HOME inside the scratch folder."""
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "TMPDIR": str(home),
+    but PATH, HOME inside the scratch folder. TMPDIR stays the system's (/tmp): some tests
+    pass temporary file names to commands that read them as arguments (click's sed editor
+    tests), so their verdicts depend on what those names look like."""
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
             "LANG": "C.UTF-8", "PYTHONPATH": str((tree / spec.import_root).resolve()),
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", **dict(spec.env)}
 
