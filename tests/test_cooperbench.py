@@ -165,6 +165,9 @@ def test_a_tarball_of_the_base_tree_works_like_the_clone(toy, tmp_path):
     task, repo = toy
     tarball = tmp_path / "toy_calc_task_task1.base.tar.gz"
     subprocess.run(["git", "archive", "--prefix=repo/", "-o", str(tarball), "HEAD"], cwd=repo, check=True)
+    from minscope.envs.cooperbench import find_repo
+
+    assert find_repo(tmp_path, task) == tarball and find_repo(repo.parent, task) == repo   # (named after upstream)
     r = ev.evaluate_pair(task, tarball, 1, 2, gold(task, 1), gold(task, 2), spec=SPEC)
     assert r["both_passed"] and r["merge"]["strategy"] == "union"
     assert not list(Path(repo).glob("agent*")) and git(repo, "branch").strip() in ("* master", "* main")

@@ -26,9 +26,21 @@ that is NOT a sandbox, the command runs with this user's rights, only its enviro
 scrubbed and HOME moved into a temporary folder.
 
 Data: a CooperBench `dataset/` folder (official layout) and a folder of base repositories,
-one per task: `<repo>_task<N>*.tar.gz` (a `git archive` of the base tree), or a git clone named
-`<repo>_task<N>`, `<repo>` or after the upstream repository (e.g. `click`) holding the base
-commit. Only the pure-Python tasks listed in `cooperbench_eval.MANIFEST` run without Docker.
+one per task: `<repo>_task<N>.tar.gz` or `<repo>_task<N>.<anything>.tar.gz` (a `git archive` of
+the base tree), or a git clone named `<repo>_task<N>`, `<repo>` or after the upstream repository
+(e.g. `click`) holding the base commit. Only the pure-Python tasks listed in
+`cooperbench_eval.MANIFEST` run without Docker.
+
+    python train.py --env cooperbench --data CooperBench/dataset --repos repos \
+        --tasks pallets_click_task/task2068 --policy Qwen/Qwen3-1.7B --simulator Qwen/Qwen3-1.7B \
+        --method population-selfplay
+    python eval.py runs/cooperbench-population-selfplay --trials 4
+
+Methods (the paper's Table 2): Base = any method with `--steps 0`; cross-play = `single` (the
+partner coder is the frozen --simulator); cross-play ensemble = `ensemble` (the seen --panel
+members); self-play = `selfplay` (one update on both coders' turns, the partner's with the same
+shared reward); population self-play = `population-selfplay` (the partner is drawn from a pool
+of the policy's past adapters).
 """
 
 from __future__ import annotations
@@ -120,7 +132,7 @@ def find_repo(repos, task_dir) -> Path:
     repos, task_dir = Path(repos), Path(task_dir)
     stem = f"{task_dir.parent.name}_{task_dir.name}"          # e.g. pallets_click_task_task2068
     tried = []
-    for pattern in (f"{stem}*.tar.gz", f"{stem}*.tgz"):
+    for pattern in (f"{stem}.*tar.gz", f"{stem}.*tgz"):      # e.g. <stem>.tar.gz, <stem>.base.tar.gz
         hits = sorted(repos.glob(pattern))
         tried.append(str(repos / pattern))
         if hits:
