@@ -197,7 +197,19 @@ files and lines you are changing (send_message) to avoid conflicting edits. Do n
 Act only through tools: every reply must call at least one tool, written as \
 <tool_call>{{"name": "<tool>", "arguments": {{...}}}}</tool_call>. Messages from {other} arrive \
 as tool results starting with "[Message from {other}]". When your feature is implemented, call \
-submit. You have {turns} turns."""
+submit. You have {turns} turns. Tools:
+{tools}"""
+
+
+def tool_list(tools) -> str:
+    """One line per tool, `name(arguments): description`, for the system prompt (a served
+    model gets no tool schemas from a chat template)."""
+    lines = []
+    for t in tools:
+        f = t["function"]
+        args = ", ".join(f["parameters"]["properties"])
+        lines.append(f"- {f['name']}({args}): {f['description']}")
+    return "\n".join(lines)
 
 
 class Workspace:
@@ -376,7 +388,8 @@ class CooperBenchEnv(Environment):
     def _messages(self, task: CoopTask, role: str) -> list[dict]:
         me, other = self.coder(role)
         text = (Path(task.task_dir) / f"feature{self.feature_of(task, role)}" / "feature.md").read_text()
-        return [{"role": "system", "content": SYSTEM.format(me=me, other=other, turns=self.max_turns)},
+        system = SYSTEM.format(me=me, other=other, turns=self.max_turns, tools=tool_list(self._tools))
+        return [{"role": "system", "content": system},
                 {"role": "user", "content": f"Your feature:\n\n{text.strip()}"}]
 
     def agent_messages(self, task) -> list[dict]:
