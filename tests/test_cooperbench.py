@@ -103,9 +103,12 @@ def gold(task, f):
 
 
 # --------------------------------------------------------------------------- the evaluator
-def test_the_manifest_and_runner_sh_give_the_test_settings(toy):
+def test_the_manifest_and_runner_sh_give_the_test_settings(toy, tmp_path):
     task, _ = toy
     assert ev.runner_tests(task) == ([["pytest", "tests", "-v"]], None)
+    (tmp_path / "runner.sh").write_text("pip install pytest\nPYTHONPATH=src timeout 300 python -m pytest "
+                                        "tests/test_a.py -v 2>&1 | tee log\n")
+    assert ev.runner_tests(tmp_path) == ([["pytest", "tests/test_a.py", "-v"]], 300)
     spec = ev.task_spec(task, SPEC)
     assert spec.tests == (("pytest", "tests", "-v"),) and spec.timeout == ev.DEFAULT_TIMEOUT
     with pytest.raises(ev.EvalError, match="toy_calc_task/task1 is not one of the pure-Python tasks"):

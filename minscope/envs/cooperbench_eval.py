@@ -128,6 +128,8 @@ def runner_tests(task_dir) -> tuple[list[list[str]], int | None]:
             words = shlex.split(line)
         except ValueError:
             continue
+        while words and re.fullmatch(r"[A-Za-z_]\w*=\S*", words[0]):    # VAR=value prefixes
+            words = words[1:]
         if words[:1] == ["timeout"] and len(words) > 2:
             timeout, words = int(float(words[1].rstrip("s"))), words[2:]
         if words[:3] == ["python", "-m", "pytest"] or words[:3] == ["python3", "-m", "pytest"]:
