@@ -34,6 +34,15 @@ EXPECTED = {
         "sequence weight per token: short 0.2500, long 0.0833",
         "answers to 'say river' after training:", "answers to 'say river' now:",
     ],
+    "03_fused_logprobs": [
+        "16,384 |     9.27 GB",
+        "naive log_softmax    saved for backward   148.377 MB",
+        "chunked, chunk 64    saved for backward     0.003 MB",
+        "gradient check vs autograd(log_softmax)",
+        "LM-head matmuls (FLOPs / one x @ W.T): readable 3.0, fused 2.0",
+        "running the kernels in Triton's CPU interpreter",      # triton is in requirements.txt
+        "token_logprobs backward, triton vs torch",
+    ],
 }
 
 
