@@ -104,9 +104,10 @@ def build_parser():
     p.add_argument("--bash", action="store_true", help="cooperbench: also give the coders a bash tool "
                    "(NOT a sandbox: commands run with your rights)")
     p.add_argument("--policy", help="policy model: Hugging Face name or local path")
-    p.add_argument("--simulator", help="simulator model (default: same base as the policy)")
+    p.add_argument("--simulator", help="simulator model (default: same base as the policy), or a served one: "
+                   "openai:MODEL@http://HOST:PORT/v1 (key from MINSCOPE_API_KEY or OPENAI_API_KEY)")
     p.add_argument("--panel", help="held-out evaluation simulators, comma-separated "
-                   "models or adapter dirs; prefix with 'unseen:' to mark unseen ones")
+                   "models, adapter dirs or openai:MODEL@URL endpoints; prefix with 'unseen:' to mark unseen ones")
     p.add_argument("--load-in-4bit", action="store_true", help="4-bit NF4 base (CUDA + bitsandbytes)")
     p.add_argument("--groups", type=whole(1), help="tasks per step (real env default 16; toy: ToyConfig)")
     p.add_argument("--group-size", type=whole(2), help="trajectories per task, G (real env default 8; "

@@ -31,6 +31,12 @@ Panel entries (`--panel a,unseen:b`) are model directories / hub names, or PEFT 
 directories (e.g. a co-trained `simulator-step64/`), which are loaded onto the simulator's
 base model. `build_models` is shared with `real_report` (eval.py), which rebuilds the same
 models from a run's config.json.
+
+Served simulators: `--simulator openai:MODEL@http://HOST:PORT/v1` (and the same spec as a
+panel entry) is a model behind an OpenAI-compatible endpoint (`minscope.served`); nothing
+is loaded for it here, and metrics.jsonl counts its requests, tokens and latency
+(`served_*`). Under `torchrun --nproc_per_node N` the ranks share each step's groups and
+rank 0 alone evaluates and writes the run folder (`minscope.distributed`).
 """
 
 from __future__ import annotations
