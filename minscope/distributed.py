@@ -138,9 +138,9 @@ def rescale_weights(weights: torch.Tensor, mask: torch.Tensor, aggregation: str,
 
 
 def _all_max(t: torch.Tensor) -> torch.Tensor:
-    t = t.clone()
+    t = t.to("cuda" if dist.get_backend() == "nccl" else "cpu", copy=True)   # NCCL reduces on the GPU
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+    return t.cpu()
 
 
 def all_reduce_grads(params: list) -> None:

@@ -102,7 +102,6 @@ class ServedSpeaker:
         self.retries = retries if retries is not None else _env_number("MINSCOPE_SERVED_RETRIES", 4, int)
         self.backoff = backoff if backoff is not None else _env_number("MINSCOPE_SERVED_BACKOFF", 1.0)
         self.key = key if key is not None else api_key()
-        self.thinking = False
         self.usage = _Usage()
         self._client = None
 
