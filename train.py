@@ -155,7 +155,7 @@ def split_list(p, key: str, text: str) -> list[str]:
 
 def check_toy_args(p, args):
     """Toy flags: known arms and variants, whole seeds; real-model flags are refused."""
-    from minscope.experiment import TOY_METHODS, TOY_VARIANTS
+    from minscope.experiment import TOY_METHODS, TOY_VARIANTS, is_toy_variant
 
     real = [flag(k) for k in REAL_ONLY if k in given(args)]
     if real:
@@ -170,7 +170,7 @@ def check_toy_args(p, args):
         for entry in split_list(p, "ablations", args.ablations):
             method, _, variant = entry.partition(":")
             tweaks = variant.split("+") if variant else []
-            if method not in TOY_METHODS or not all(t in TOY_VARIANTS for t in tweaks):
+            if method not in TOY_METHODS or not all(is_toy_variant(t) for t in tweaks):
                 p.error(f"--ablations: cannot read {entry!r}; write METHOD:VARIANT[+VARIANT], METHOD one of "
                         f"{','.join(TOY_METHODS)}, VARIANT one of {'|'.join(TOY_VARIANTS)}")
             if method in ("cotrain", "population"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,19 +33,27 @@ import torch
 from tqdm.auto import tqdm
 
 from .envs.toy import RealUsers, ToyEnv, World
+from .diversity import member_profile, pool_diversity
 from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
 from .files import RunLock, load_state, read_jsonl, save_atomic, truncate_log, write_text_atomic
 from .methods import Method, build_method, train_step
 from .models import adapter_state, add_adapters, load_adapter_state
+from .monitor import CollapseMonitor, MonitorConfig, log_with_alarms
 from .rollout import LMSpeaker
 from .sft import encode_chat, pad_batch
 from .simulators import Frozen, Population
-from .toy_models import ToyModelConfig, ToyModels, fidelity, fidelity_problems, worker_init
+from .toy_models import ToyModelConfig, ToyModels, aligned_fidelity, fidelity, fidelity_problems, worker_init
 from .trainer import UpdateConfig
 
 TOY_METHODS = ("base", "single", "vs", "ensemble", "cotrain", "population", "oracle")
 # what may follow the colon of an ablation arm, joined by "+" (see Toy.method)
-TOY_VARIANTS = ("adversarial", "cooperative", "curriculum", "anchor", "group", "batch")
+TOY_VARIANTS = ("adversarial", "cooperative", "curriculum", "anchor", "group", "batch", "g<gamma>")
+
+
+def is_toy_variant(tweak: str) -> bool:
+    """One tweak of an ablation arm: a name of TOY_VARIANTS, or g<gamma> (e.g. g2: the trained
+    simulator starts from the aligned model of gamma 2)."""
+    return tweak in TOY_VARIANTS[:-1] or bool(re.fullmatch(r"g\d+(\.\d+)?", tweak))
 
 
 @dataclass
@@ -68,9 +77,15 @@ class ToyConfig:
     beta: float = 0.04                    # KL to the untrained policy: keeps utterances well-formed
     epochs: int = 2
     sim_reward: str = "curriculum"
+    # What Co-Training and Population Co-Training start from: "aligned" = the aligned simulator
+    # model (toy_models: SFT'd on sharpened users, models.aligned_gamma), sampled at the
+    # rollout temperature like the paper's; "sharpened" = a copy of sim-a sampled at 1/gamma
+    # (the earlier design: a near-greedy sampler that RL barely moves)
+    sim_start: str = "aligned"
     sim_baseline: str = "auto"            # group-wise, batch-wide for curriculum (methods.resolve_sim_baseline)
     pool_size: int = 5
-    pool_every: int = 4
+    pool_every: int = 4                   # a snapshot (and a pool-diversity measurement) every k steps
+    diversity_samples: int = 32           # replies per persona and history in pool_diversity
     vs_k: int = 5
     eval_every: int = 10
     eval_episodes: int = 8                # per persona per panel member (real users: x4)
@@ -85,6 +100,7 @@ class ToyConfig:
     policy_max_new_tokens: int = 6        # an act is one token + end of turn; room to garble
     workers: int = 2                      # arms trained in parallel, one CPU thread each
     models: ToyModelConfig = field(default_factory=ToyModelConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)   # the live collapse monitor
 
     def arms(self) -> list[tuple[str, int]]:
         """(method, seed) of every arm: the methods x seeds, then the ablations."""
@@ -97,7 +113,7 @@ class ToyConfig:
         base = dict(name="toy-quick", methods=("base", "single", "vs", "oracle"), seeds=(0,), steps=12, ablations=(),
                     groups=4, eval_every=6, eval_episodes=4, final_episodes=64, meter_every=0,
                     models=ToyModelConfig(transcripts=1000, vs_examples=400, sim_a_steps=200, vs_steps=220,
-                                          sim_steps=150, policy_steps=100, batch=32))
+                                          sim_steps=150, policy_steps=100, aligned_steps=150, batch=32))
         base.update(kw)
         return cls(**base)
 
@@ -109,7 +125,9 @@ def load_config(path) -> ToyConfig:
     saved = read_json(path)
     try:
         models = ToyModelConfig(**saved.pop("models"))
-        return ToyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}, models=models)
+        monitor = MonitorConfig(**saved.pop("monitor", {}))
+        return ToyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()},
+                         models=models, monitor=monitor)
     except (KeyError, TypeError) as e:
         raise RunFileError(f"{path} is not the config.json of a toy run ({e})") from None
 
@@ -150,12 +168,21 @@ class Toy:
         self.cfg, self.log = cfg, log
         self.models = ToyModels(cache_dir, cfg.models, progress=progress, log=log)
         self.tokenizer = self.models.tokenizer
-        self.env = ToyEnv()
+        self.env, self.world = ToyEnv(), World()      # (the real users' world, sim-a's too)
         self.base_model, self.sims = self.models.all()
         t = 1.0 / cfg.gamma
         self.frozen = {name: Frozen(model, self.tokenizer, temperature=t, max_new_tokens=12, name=name)
                        for name, (model, kind, world) in self.sims.items()}
         self.vs_simulator = self.frozen.pop("sim-a-vs")
+
+    def sim_a_profile(self) -> dict:
+        """sim-a as the frozen arms meet it (temperature 1/gamma), profiled for pool_diversity
+        once per process, on a stream of its own."""
+        if not hasattr(self, "_sim_a_profile"):
+            with isolated_rng(4242):
+                self._sim_a_profile = member_profile(self.frozen["sim-a"], self.world, self.cfg.gamma,
+                                                     self.cfg.diversity_samples)
+        return self._sim_a_profile
 
     def panel(self, seed: int):
         # the evaluation's real users draw from a stream apart from the oracle arm's training
@@ -190,23 +217,31 @@ class Toy:
         tweaks = set(filter(None, variant.split("+")))
         sim_reward = next((t for t in tweaks if t in ("adversarial", "cooperative", "curriculum")), c.sim_reward)
         sim_baseline = next((t for t in tweaks if t in ("group", "batch")), c.sim_baseline)
+        gamma = next((float(t[1:]) for t in tweaks if re.fullmatch(r"g\d+(\.\d+)?", t)), c.models.aligned_gamma)
         pcfg = UpdateConfig(lr=c.policy_lr, eps_low=c.eps_low, eps_high=c.eps_high, beta=c.beta,
                             epochs=c.epochs, temperature=c.temperature, weight_decay=0.0)
         scfg = UpdateConfig(lr=c.sim_lr, eps_low=c.eps_low, eps_high=c.eps_high, epochs=c.epochs,
-                            temperature=1.0 / c.gamma, weight_decay=0.0)
+                            temperature=c.temperature if c.sim_start == "aligned" else 1.0 / c.gamma,
+                            weight_decay=0.0)
         seen = [n for n, (_, kind, _) in self.sims.items() if kind == "seen"]
         frozen = [self.frozen[seen[0]]] if name != "ensemble" else [self.frozen[n] for n in seen]
         if name == "vs":
             frozen = [self.vs_simulator]
-        sim_model = None
+        sim_model, sim_temperature = None, None
         if name in ("cotrain", "population"):
-            sim_model = add_adapters(copy.deepcopy(self.sims[seen[0]][0]), ["simulator"], r=c.lora_r,
+            if c.sim_start == "aligned":    # the aligned model, sampled at the rollout temperature
+                start, sim_temperature = self.models.aligned(gamma)[0], c.temperature
+            elif c.sim_start == "sharpened":
+                start = self.sims[seen[0]][0]   # sim-a, sampled at 1/gamma like the frozen arms
+            else:
+                raise ValueError(f"sim_start {c.sim_start!r}: use 'aligned' or 'sharpened'")
+            sim_model = add_adapters(copy.deepcopy(start), ["simulator"], r=c.lora_r,
                                      alpha=2 * c.lora_r, target_modules="all-linear+head")
         m = build_method(
             "single" if name == "base" else name, self.policy(), frozen, pcfg, scfg,
             sim_model=sim_model, sim_tokenizer=self.tokenizer, sim_reward=sim_reward,
             vs_k=c.vs_k, pool_size=c.pool_size, pool_every=c.pool_every,
-            oracle=RealUsers(seed=seed), seed=seed, sim_baseline=sim_baseline)
+            oracle=RealUsers(seed=seed), seed=seed, sim_baseline=sim_baseline, sim_temperature=sim_temperature)
         if "anchor" in tweaks and m.trains_simulator:
             m.anchor = self.anchor_batches(seed)
         return m
@@ -275,7 +310,7 @@ def _eval_record(toy: Toy, m: Method, method: str, seed: int, step: int, final: 
 
 
 def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: int | None = None,
-            progress: bool = True):
+            progress: bool = True, alarm_line=print):
     """Train (or, for "base", only evaluate) one arm; resumes from its saved state."""
     c = toy.cfg
     arms = run_dir / "arms"
@@ -285,13 +320,20 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
     random.seed(seed)
     np.random.seed(seed)
     m = toy.method(method, seed)
-    start, best = 0, {"panel": -1.0}
+    start, best, profiles = 0, {"panel": -1.0}, {}
+    monitor = CollapseMonitor(c.monitor)
     if state_path.exists():
         state = load_state(state_path)
         load_arm_state(m, state)
-        start, best = state["step"] + 1, state.get("best", best)
+        start, best, profiles = state["step"] + 1, state.get("best", best), state.get("profiles", {})
         if state.get("finished"):
             return
+        if hasattr(write, "path"):              # the monitor's state is a function of the log
+            monitor.replay(read_jsonl(write.path, warn=lambda msg: None))
+
+    def emit(rec):        # log, then the alarms it raises (one console line per arm: its first)
+        log_with_alarms(monitor, rec, write, alarm_line and (lambda line: alarm_line(f"  {arm_name(method, seed)}: {line}")),
+                        method=method, seed=seed)
     steps = 0 if method == "base" else c.steps
     tasks = toy.env.tasks()
     bar = tqdm(range(start, steps + 1), desc=arm_name(method, seed), leave=False, initial=start,
@@ -305,7 +347,7 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
                 # seed, which only matters with eval_every = 1)
                 with isolated_rng(eval_seed(seed, step) + 1, partner):
                     rec["meter"] = collapse_meter(toy.env, m.policy, partner, tasks, n_ref=2, n_resample=4, n_mode=6)
-            write(rec)
+            emit(rec)
             if rec["panel"] > best["panel"]:
                 best = {"panel": rec["panel"], "step": step, "real_users": rec["real_users"]}
                 save_atomic({"step": step, "policy": adapter_state(m.policy.model, "policy")}, best_path)
@@ -318,11 +360,33 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
         episodes = metrics.pop("_episodes")
         metrics.update(kind="train", method=method, seed=seed, seconds=time.time() - t0,
                        invalid_acts=float(np.mean([e.info.get("n_invalid", 0) for e in episodes])))
-        write(metrics)
-        save_atomic(arm_state(m, step, {"best": best}), state_path)
+        emit(metrics)
+        if m.trains_simulator and step % c.pool_every == 0:
+            with isolated_rng(eval_seed(seed, step) + 2, m.partner):
+                write({"kind": "pool", "method": method, "seed": seed, "step": step,
+                       **measure_pool(toy, m, step, profiles)})
+        save_atomic(arm_state(m, step, {"best": best, "profiles": profiles}), state_path)
         if stop_after is not None and step + 1 >= stop_after:
             raise KeyboardInterrupt   # used by tests to simulate an interruption
-    save_atomic({**arm_state(m, steps, {"best": best}), "finished": True}, state_path)
+    save_atomic({**arm_state(m, steps, {"best": best, "profiles": profiles}), "finished": True}, state_path)
+
+
+def measure_pool(toy: Toy, m: Method, step: int, profiles: dict) -> dict:
+    """Pool diversity (minscope.diversity) of an arm's trained simulator(s) at `step`: the
+    Population's snapshots, or Co-Training's one live simulator. Each snapshot is profiled
+    once (`profiles`: snapshot step -> profile, kept in the arm's state)."""
+    c, partner = toy.cfg, m.partner
+    if isinstance(partner, Population):
+        members = {f"s{snap}": Frozen(partner.model, partner.tokenizer, adapter=slot, temperature=partner.temperature,
+                                      max_new_tokens=partner.max_new_tokens)
+                   for slot, (snap, _) in zip(partner.slots, partner.pool)}
+    else:
+        members = {f"s{step}": Frozen(partner.model, partner.tokenizer, adapter=partner.trainable_adapter,
+                                      temperature=partner.temperature, max_new_tokens=partner.max_new_tokens)}
+    for name, speaker in members.items():
+        if name not in profiles:
+            profiles[name] = member_profile(speaker, toy.world, c.gamma, c.diversity_samples)
+    return pool_diversity({n: profiles[n] for n in members}, toy.sim_a_profile(), toy.world, c.gamma)
 
 
 class MetricsLog:
@@ -466,6 +530,15 @@ def _run(cfg: ToyConfig, run_dir: Path, cache_dir, resume: bool, log, progress, 
             f"(exact {fid['exploit_exact']:.3f}); mean TV to the real users at key histories {fid['tv']:.3f} "
             f"(sampling noise alone: {fid['tv_floor']:.3f}); "
             f"TV of sim-a-vs's verbalized distribution {fid['vs_tv']:.3f}")
+        if cfg.sim_start == "aligned" and any(m.partition(":")[0] in ("cotrain", "population") for m, _ in cfg.arms()):
+            model, world = models.aligned()
+            fid["aligned"] = aligned_fidelity(Frozen(model, models.tokenizer, max_new_tokens=12), world,
+                                              cfg.models.aligned_gamma)
+            write_text_atomic(fid_path, json.dumps(fid))
+            a = fid["aligned"]
+            log(f"aligned simulator model (Co-Training's start), sampled at temperature 1: exploit value "
+                f"{a['exploit_lm']:.3f} (exact, gamma={a['gamma']:g}-sharpened users: {a['exploit_exact']:.3f}); "
+                f"mean TV to the sharpened users {a['tv']:.3f} (sampling noise alone: {a['tv_floor']:.3f})")
         for problem in fidelity_problems(fid):
             log(f"warning: the fidelity check fails: {problem}; the arms below will run, but their "
                 "numbers say little about simulator collapse (expected with --quick's small models)")

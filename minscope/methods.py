@@ -63,12 +63,13 @@ def build_method(name: str, policy: LMSpeaker, frozen: list, policy_cfg: UpdateC
                  sim_cfg: UpdateConfig | None = None, sim_model=None, sim_tokenizer=None,
                  sim_reward: str = "adversarial", personas=None, vs_k: int = 5,
                  vs_mode: str = "weighted", pool_size: int = 5, pool_every: int = 4,
-                 oracle=None, seed: int = 0, sim_baseline: str = "auto") -> Method:
+                 oracle=None, seed: int = 0, sim_baseline: str = "auto",
+                 sim_temperature: float | None = None) -> Method:
     """Assemble a method from parts.
 
     frozen: simulators (Frozen speakers); `single`/`vs`/`persona` use frozen[0], `ensemble`
     uses all of them. `cotrain`/`population` train adapter "simulator" on `sim_model` (which
-    must carry that adapter), sampled at frozen[0]'s temperature. `sim_baseline`: how the
+    must carry that adapter), sampled at `sim_temperature` (default: frozen[0]'s). `sim_baseline`: how the
     trained simulator's advantages are normalised (see `sim_baseline`; checked here, so that
     a configuration that cannot train the simulator fails before any rollout).
     """
@@ -95,7 +96,8 @@ def build_method(name: str, policy: LMSpeaker, frozen: list, policy_cfg: UpdateC
     elif name in ("cotrain", "population"):
         if sim_model is None:
             raise ValueError(f"method {name!r} needs a trainable simulator model (sim_model)")
-        kw = dict(reward=sim_reward, temperature=base.temperature if base else 1.0,
+        temperature = sim_temperature if sim_temperature is not None else base.temperature if base else 1.0
+        kw = dict(reward=sim_reward, temperature=temperature,
                   max_new_tokens=base.max_new_tokens if base else 64)
         m.partner = (Trainable(sim_model, sim_tokenizer, **kw) if name == "cotrain" else
                      Population(sim_model, sim_tokenizer, size=pool_size, every=pool_every, seed=seed, **kw))

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .files import read_jsonl
+from .monitor import first_alarms
 
 LABELS = {"base": "Base (untrained)", "single": "RL (Single)", "vs": "Verbalized Sampling",
           "ensemble": "Ensemble (K=3)", "persona": "Persona-Guided", "cotrain": "Co-Training",
@@ -39,13 +40,13 @@ def two_level_bootstrap(per_seed: list[list[float]], n_boot: int = 2000, seed: i
 
 def collect(records):
     """method -> seed -> {"train": [...], "eval": [...]} sorted by step."""
-    out = defaultdict(lambda: defaultdict(lambda: {"train": [], "eval": []}))
+    out = defaultdict(lambda: defaultdict(lambda: {"train": [], "eval": [], "pool": [], "alarm": []}))
     for r in records:
-        out[r["method"]][r["seed"]][r["kind"]].append(r)
+        out[r["method"]][r["seed"]].setdefault(r["kind"], []).append(r)
     for seeds in out.values():
         for d in seeds.values():
-            d["train"].sort(key=lambda r: r["step"])
-            d["eval"].sort(key=lambda r: r["step"])
+            for recs in d.values():
+                recs.sort(key=lambda r: r["step"])
     return out
 
 
@@ -92,8 +93,29 @@ def summarize(records, reference: dict) -> dict:
         meters = [r["meter"] for e in evals for r in e[-1:] if "meter" in r]
         if meters:
             res["collapse_meter"] = {k: float(np.mean([m[k] for m in meters])) for k in meters[0]}
+        res["alarms"] = {str(seed): first_alarms(d["alarm"]) for seed, d in seeds.items() if d["eval"]}
+        res["flagged_seeds"] = sum(bool(a) for a in res["alarms"].values())
+        pools = {seed: d["pool"] for seed, d in seeds.items() if d["pool"]}
+        if pools:
+            res["pool_diversity"] = pool_summary(pools)
         results["methods"][method] = res
     return results
+
+
+POOL_KEYS = ("pairwise_tv", "tv_sim_a", "tv_real", "exploit_value")
+
+
+def pool_summary(pools: dict) -> dict:
+    """`pool_diversity` of one method: per seed the trajectory over snapshots, and the mean
+    over seeds of the last measurement (pairwise TV is None for a one-member "pool")."""
+    def mean(vals):
+        vals = [v for v in vals if v is not None]
+        return float(np.mean(vals)) if vals else None
+    last = [recs[-1] for recs in pools.values()]
+    return {"final": {k: mean([r.get(k) for r in last]) for k in POOL_KEYS},
+            "sim_a_exploit_value": last[0].get("sim_a_exploit_value"),
+            "per_seed": {str(seed): [{"step": r["step"], **{k: r.get(k) for k in POOL_KEYS}} for r in recs]
+                         for seed, recs in pools.items()}}
 
 
 def plots(records, out_dir: Path) -> list[str]:
@@ -121,10 +143,16 @@ def plots(records, out_dir: Path) -> list[str]:
             ax.plot(steps, vals.mean(0), label=label(method), color=colors[method])
             if len(vals) > 1:
                 ax.fill_between(steps, vals.min(0), vals.max(0), alpha=0.15, color=colors[method])
+            if key == "train_reward":   # the collapse monitor's first alarm of each seed
+                for d in seeds.values():
+                    if d["alarm"] and d["train"]:
+                        s0 = d["alarm"][0]["step"]
+                        y = min(d["train"], key=lambda r: abs(r["step"] - s0))["train_reward"]
+                        ax.plot([s0], [y], marker="v", markersize=9, color=colors[method], markeredgecolor="k")
         ax.set_title(title)
         ax.set_xlabel("policy step")
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle("minscope toy experiment (band = min..max over seeds)")
+    fig.suptitle("minscope toy experiment (band = min..max over seeds; ▼ = the collapse monitor's first alarm)")
     fig.tight_layout()
     names = ["curves.png"]
     fig.savefig(out_dir / names[0], dpi=110)
@@ -153,11 +181,69 @@ def plots(records, out_dir: Path) -> list[str]:
         fig.savefig(out_dir / "collapse_meter.png", dpi=110)
         plt.close(fig)
         names.append("collapse_meter.png")
+    pools = {m: seeds for m, seeds in collect(records).items() if any(d["pool"] for d in seeds.values())}
+    if pools:
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        for i, (method, seeds) in enumerate(pools.items()):
+            for j, d in enumerate(v for v in seeds.values() if v["pool"]):
+                steps = [r["step"] for r in d["pool"]]
+                for ax, key in zip(axes, ("pairwise_tv", "tv_sim_a", "exploit_value")):
+                    ys = [r.get(key) for r in d["pool"]]
+                    if any(y is not None for y in ys):
+                        ax.plot(steps, [np.nan if y is None else y for y in ys], ".-", color=f"C{i}", alpha=0.8,
+                                label=label(method) if j == 0 else None)
+        ref = next(iter(next(iter(pools.values())).values()))["pool"][0].get("sim_a_exploit_value")
+        if ref is not None:
+            axes[2].axhline(ref, color="k", ls="--", lw=1, label="inside sim-a (1/gamma)")
+        axes[0].set_title("pool: mean pairwise TV between members")
+        axes[1].set_title("members' mean TV to sim-a (1/gamma)")
+        axes[2].set_title("exploit's value inside the members")
+        for ax in axes:
+            ax.set_xlabel("policy step")
+        axes[2].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / "pool_diversity.png", dpi=110)
+        plt.close(fig)
+        names.append("pool_diversity.png")
     return names
 
 
 def fmt(x, nd=3):
     return "–" if x is None else f"{x:.{nd}f}"
+
+
+def monitor_md(results) -> list[str]:
+    """The collapse monitor's table: per arm (method, seed), the first step of each signal."""
+    from .monitor import SIGNALS
+
+    rows = [(m, seed, a) for m, r in results["methods"].items() for seed, a in r.get("alarms", {}).items()]
+    if not rows:
+        return []
+    lines = ["## Collapse monitor (live, minscope.monitor)", "",
+             "First step at which each signal fired (– = never). A seed is *flagged* when any signal fires.", "",
+             "| arm | flagged | " + " | ".join(SIGNALS) + " |", "|---|---|" + "---|" * len(SIGNALS)]
+    for m, seed, a in rows:
+        lines.append(f"| {label(m)}, seed {seed} | {'yes' if a else 'no'} | "
+                     + " | ".join(str(a[sig]) if sig in a else "–" for sig in SIGNALS) + " |")
+    return lines + [""]
+
+
+def pool_md(results) -> list[str]:
+    rows = {m: r["pool_diversity"] for m, r in results["methods"].items() if "pool_diversity" in r}
+    if not rows:
+        return []
+    ref = next(iter(rows.values())).get("sim_a_exploit_value")
+    lines = ["## Pool diversity (last snapshot; minscope.diversity)", "",
+             "At the histories the exploit passes through: the mean pairwise TV between pool members "
+             "(Co-Training: one live simulator, so none), each member's mean TV to sim-a as the frozen arms "
+             "meet it and to the real users, and the exploit's value inside the members"
+             + (f" (inside sim-a: {ref:.3f})" if ref is not None else "") + ". Means over seeds.", "",
+             "| method | pairwise TV | TV to sim-a | TV to real users | exploit value inside |", "|---|---|---|---|---|"]
+    for m, p in rows.items():
+        f = p["final"]
+        lines.append(f"| {label(m)} | {fmt(f['pairwise_tv'])} | {fmt(f['tv_sim_a'])} | {fmt(f['tv_real'])} | "
+                     f"{fmt(f['exploit_value'])} |")
+    return lines + [""]
 
 
 def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
@@ -213,6 +299,7 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
         lines += [f"| {label(m)} | {fmt(v['sim_side_var'])} | {fmt(v['agent_side_var'])} | {fmt(v['mode_prob'], 2)} |"
                   for m, v in meters.items()]
         lines.append("")
+    lines += monitor_md(results) + pool_md(results)
     lines += [f"![{n}]({n})" for n in images] + [""]
     fid_path = run_dir / "fidelity.json"
     if fid_path.exists():
@@ -225,6 +312,12 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
                                           if "tv_floor" in f else "") + ". The distribution sim-a-vs *states* when asked for one (Verbalized Sampling, "
                   f"decoded at temperature 1/gamma) is at TV **{f.get('vs_tv', float('nan')):.3f}** from the real users' "
                   f"(the assumption the paper's Proposition 3.7 needs: VS recovers the reference distribution).", ""]
+        if "aligned" in f:
+            a = f["aligned"]
+            lines += [f"The aligned simulator *model* that Co-Training and Population Co-Training start from (SFT'd on "
+                      f"gamma={a['gamma']:g}-sharpened users, sampled at temperature 1): the exploit is worth "
+                      f"**{a['exploit_lm']:.3f}** inside it (exact: {a['exploit_exact']:.3f}); mean TV to the sharpened "
+                      f"users at the same histories **{a['tv']:.3f}** (sampling noise alone: {a['tv_floor']:.3f}).", ""]
         from .toy_models import fidelity_problems   # (torch only when there is a toy run to report)
 
         problems = fidelity_problems(f)

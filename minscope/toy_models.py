@@ -27,7 +27,6 @@ the second run starts training at once.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -42,7 +41,6 @@ import torch
 from .envs.base import Episode, Turn
 from .envs.toy import ACT_KEYS, ACTS, BLAND, REPLIES, ToyEnv, World, canonical_reply, sharpened, total_variation
 from .models import build_tiny_model, build_tokenizer
-from .rollout import rollout
 from .sft import sft
 from .simulators import Verbalized
 from .verbalized import Candidate, draw, format_candidates, parse_candidates, vs_instruction
@@ -76,6 +74,11 @@ class ToyModelConfig:
     policy_skill: float = 0.6   # share of the policy base's acts copied from the best adaptive policy
     policy_asks: float = 0.5    # share of its other (random) acts that are asks (2/7 would be uniform)
     policy_blind: str = "small_ask"  # its skilled act when a probe reveals nothing ("": the best adaptive one)
+    # The aligned simulator *model* that Co-Training and Population Co-Training start from:
+    # SFT'd on transcripts of the gamma-sharpened users, so that its own distribution at
+    # temperature 1 is theirs (its collapse lives in its weights, as in an RLHF'd LLM).
+    aligned_gamma: float = 8.0
+    aligned_steps: int = 800
     batch: int = 32
     lr: float = 3e-3
     seed: int = 0
@@ -86,14 +89,18 @@ class ToyModelConfig:
     def key(self) -> str:
         """The cache folder's name: a hash of everything the simulators depend on (these
         settings, and every text they and the tokenizer learn; `world` versions the rest)."""
-        fields = {k: v for k, v in asdict(self).items()
-                  if not k.startswith("policy_") and k != "workers"}
+        fields = {k: v for k, v in asdict(self).items()     # (their names carry the rest)
+                  if not k.startswith(("policy_", "aligned_")) and k != "workers"}
         fields["texts"] = texts_fingerprint()
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
     def policy_name(self) -> str:
         blind = f"-blind-{self.policy_blind}" if self.policy_blind else ""
         return f"policy-base-skill{self.policy_skill:g}-asks{self.policy_asks:g}-steps{self.policy_steps}{blind}"
+
+    def aligned_name(self, gamma: float | None = None) -> str:
+        g = self.aligned_gamma if gamma is None else gamma
+        return f"sim-a-aligned-g{g:g}-steps{self.aligned_steps}"
 
 
 def vs_conversations(env: ToyEnv, world: World, transcripts, n: int, rng, k: int = 5):
@@ -225,15 +232,21 @@ class ToyModels:
 
     def names(self):
         # the longest job first, so that two workers finish at about the same time
-        return ["sim-a-vs", self.cfg.policy_name()] + [n for n in SIMULATORS if n != "sim-a-vs"]
+        return (["sim-a-vs", self.cfg.policy_name(), self.cfg.aligned_name()]
+                + [n for n in SIMULATORS if n != "sim-a-vs"])
 
     def train(self, name: str) -> str:
         """Train one model and save it; returns a log line. Runs in a worker process."""
         c = self.cfg
-        is_policy = name == c.policy_name()
-        seed = c.seed + (100 if is_policy else list(SIMULATORS).index(name))
+        is_policy, aligned = name == c.policy_name(), name.startswith("sim-a-aligned-g")
+        seed = c.seed + (100 if is_policy else 200 if aligned else list(SIMULATORS).index(name))
         rng = np.random.default_rng(seed)
-        if is_policy:
+        if aligned:      # sim-a's world, its users gamma-sharpened in the data itself
+            gamma = float(name[len("sim-a-aligned-g"):].split("-steps")[0])
+            world, steps = World(), c.aligned_steps
+            transcripts = world.sample_transcripts(c.transcripts, rng, reply_dist=sharpened(world.reply_dist, gamma))
+            conversations = self.env.sft_conversations(transcripts, role="partner")
+        elif is_policy:
             world, steps = World(), c.policy_steps
             persuader = base_persuader(c, world, rng)
             transcripts = world.sample_transcripts(c.transcripts, rng, policy=persuader)
@@ -280,6 +293,14 @@ class ToyModels:
         if self._load(name) is None:
             self.log(self.train(name))
         return self._load(name)
+
+    def aligned(self, gamma: float | None = None):
+        """The aligned simulator model for `gamma` (default `cfg.aligned_gamma`; others are
+        trained on first use, e.g. by the gamma ablation), and its world (sim-a's)."""
+        name = self.cfg.aligned_name(gamma)
+        if name in self.names():
+            self.build()
+        return self.get(name), World()
 
     def policy_base(self):
         self.build()
@@ -329,42 +350,18 @@ def fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: in
     It is not small: the tv above is the simulator's error plus about this much.
     vs_tv (with `vs_simulator`): the same, for the distribution its VS answers state.
     """
-    seq = world.exploit(gamma)
-    sharp_world = sharpened(world.reply_dist, gamma)
+    from .diversity import at_temperature, exact_replies, exploit_histories, exploit_value, mean_tv, sampled_replies
 
-    class Exploit:
-        def respond(self, episodes, env):
-            return [Turn("agent", ACTS[seq[sum(t.role == "agent" for t in ep.turns)]]) for ep in episodes]
-
-    env = ToyEnv(world)
+    env, seq = ToyEnv(world), world.exploit(gamma)
     torch.manual_seed(seed)
-    sharp = copy.copy(simulator)
-    sharp.temperature = 1.0 / gamma
-    eps = rollout(env, env.tasks(), Exploit(), sharp, episodes // len(env.tasks()))
-    exploit_lm = float(np.mean([e.reward for e in eps]))
-    exploit_exact = world.exact_value(lambda h: seq[len(h) // 2], reply_dist=sharp_world)
-    # the histories the exploit passes through (the sharpened mode's replies) and the probe
-    histories, h = [(ACTS["probe"],)], ()
-    for act in seq:
-        h = h + (ACTS[act],)
-        histories.append(h)
-        r = sharp_world(0, h)
-        h = h + (max(r, key=r.get),)
-    histories = list(dict.fromkeys(histories))
-    plain = copy.copy(simulator)
-    plain.temperature = 1.0
-    tvs = []
-    for history in histories:
-        for task in env.tasks():
-            batch = [Episode(task=task, group=0, turns=[Turn("agent" if i % 2 == 0 else "partner", u)
-                                                        for i, u in enumerate(history)]) for _ in range(episodes)]
-            counts = {}
-            for turn in plain.respond(batch, env):
-                counts[turn.text.strip()] = counts.get(turn.text.strip(), 0) + 1 / episodes
-            tvs.append(total_variation(world.reply_dist(task.persona, history), counts))
+    exploit_lm = exploit_value(at_temperature(simulator, 1.0 / gamma), world, gamma, episodes)
+    exploit_exact = world.exact_value(lambda h: seq[len(h) // 2], reply_dist=sharpened(world.reply_dist, gamma))
+    histories = exploit_histories(world, gamma)
+    tables = sampled_replies(at_temperature(simulator, 1.0), world, histories, episodes)
+    tv = mean_tv(tables, exact_replies(world.reply_dist, world, histories))
     floor = sampling_tv_floor([world.reply_dist(task.persona, h) for h in histories for task in env.tasks()],
                               episodes)
-    out = {"exploit": list(seq), "exploit_lm": exploit_lm, "exploit_exact": exploit_exact, "tv": float(np.mean(tvs)),
+    out = {"exploit": list(seq), "exploit_lm": exploit_lm, "exploit_exact": exploit_exact, "tv": tv,
            "tv_floor": floor}
     if vs_simulator is not None:
         # the verbalized distribution itself (what the VS draw uses) vs the real users'
@@ -387,6 +384,25 @@ def fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: in
                 vtv.append(total_variation(world.reply_dist(task.persona, history), stated))
         out.update(vs_tv=float(np.mean(vtv)) if vtv else float("nan"), vs_parse_failures=fails)
     return out
+
+
+def aligned_fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: int = 0) -> dict:
+    """The fidelity check of an aligned simulator *model* (`ToyModels.aligned`), whose own
+    distribution at temperature 1 should be the gamma-sharpened users': the exploit's value
+    inside it sampled at temperature 1 against the exact one, and the mean TV between its
+    replies and the sharpened users' at the exploit's histories (with the sampling floor)."""
+    from .diversity import at_temperature, exact_replies, exploit_histories, exploit_value, mean_tv, sampled_replies
+
+    sharp_world, seq = sharpened(world.reply_dist, gamma), world.exploit(gamma)
+    plain = at_temperature(simulator, 1.0)
+    torch.manual_seed(seed)
+    exploit_lm = exploit_value(plain, world, gamma, episodes)
+    histories = exploit_histories(world, gamma)
+    exact = exact_replies(sharp_world, world, histories)
+    return {"gamma": gamma, "exploit_lm": exploit_lm,
+            "exploit_exact": world.exact_value(lambda h: seq[len(h) // 2], reply_dist=sharp_world),
+            "tv": mean_tv(sampled_replies(plain, world, histories, episodes), exact),
+            "tv_floor": sampling_tv_floor(list(exact.values()), episodes)}
 
 
 def sampling_tv_floor(dists: list[dict], n: int, reps: int = 400, seed: int = 0) -> float:
@@ -415,6 +431,10 @@ def fidelity_problems(fid: dict) -> list[str]:
     if fid["exploit_lm"] < MIN_EXPLOIT_SHARE * fid["exploit_exact"]:
         problems.append(f"the exploit is worth {fid['exploit_lm']:.3f} inside sim-a, below "
                         f"{MIN_EXPLOIT_SHARE:g} x its exact {fid['exploit_exact']:.3f}")
+    a = fid.get("aligned")
+    if a and a["exploit_lm"] < MIN_EXPLOIT_SHARE * a["exploit_exact"]:
+        problems.append(f"the exploit is worth {a['exploit_lm']:.3f} inside the aligned simulator model, below "
+                        f"{MIN_EXPLOIT_SHARE:g} x its exact {a['exploit_exact']:.3f}")
     if "vs_tv" in fid and not fid["vs_tv"] <= MAX_VS_TV:      # nan (nothing parsed) fails too
         problems.append(f"sim-a-vs states a distribution at TV {fid['vs_tv']:.3f} from the real users' "
                         f"(at most {MAX_VS_TV:g})")

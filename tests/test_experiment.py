@@ -7,12 +7,13 @@ from minscope import experiment, report
 from minscope.toy_models import ToyModelConfig
 
 TINY_MODELS = ToyModelConfig(hidden=32, vocab=640, transcripts=120, vs_examples=40, sim_a_steps=10, vs_steps=10,
-                             sim_steps=5, policy_steps=5, batch=8, workers=1)
+                             sim_steps=5, policy_steps=5, aligned_steps=10, batch=8, workers=1)
 
 
 def tiny_config(name, methods=("base", "single", "population"), ablations=()):
     return experiment.ToyConfig(name=name, methods=methods, seeds=(0,), steps=4, groups=2, group_size=2,
                                 eval_every=2, eval_episodes=1, final_episodes=6, meter_every=4, workers=1, pool_every=1,
+                                diversity_samples=2,
                                 models=TINY_MODELS, ablations=ablations)
 
 
@@ -75,6 +76,23 @@ def test_final_checkpoint_reevaluates_to_the_logged_number(tmp_path, cache):
     assert again["panel"] == logged["panel"]
 
 
+def test_cotraining_starts_from_the_aligned_model_at_the_rollout_temperature(cache):
+    import dataclasses
+
+    import torch
+
+    cfg = tiny_config("toy", methods=("base",))
+    toy = experiment.Toy(cfg, cache, progress=False)
+    aligned2, _ = toy.models.aligned(2.0)
+    m = toy.method("population:g2", 0)
+    assert m.partner.temperature == cfg.temperature == 1.0 and m.sim_cfg.temperature == 1.0
+    with m.partner.model.disable_adapter():       # the base under the LoRA is the gamma-2 model
+        x = torch.tensor([[5, 6, 7]])
+        assert torch.equal(m.partner.model(x).logits, aligned2(x).logits)
+    old = experiment.Toy(dataclasses.replace(cfg, sim_start="sharpened"), cache, progress=False).method("cotrain", 0)
+    assert old.partner.temperature == 1.0 / cfg.gamma
+
+
 def test_existing_run_is_not_overwritten_without_resume(tmp_path, cache):
     cfg = tiny_config("toy", methods=("base",))
     experiment.run(cfg, tmp_path, cache, log=lambda *a: None, progress=False)
@@ -115,6 +133,15 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
     ablation_md = md.split("## Co-Training ablation")[1]
     assert "Co-Training [anchor+batch]" in ablation_md
     assert "Co-Training [anchor+batch]" not in md.split("## Co-Training ablation")[0]
+    # the trained simulator's pool diversity, measured at every snapshot; the monitor's table
+    pools = [r for r in records(run_dir) if r["kind"] == "pool"]
+    assert [r["step"] for r in pools] == [0, 1, 2, 3] and all(r["method"] == "cotrain:anchor+batch" for r in pools)
+    div = saved["methods"]["cotrain:anchor+batch"]["pool_diversity"]
+    assert 0.0 <= div["final"]["tv_sim_a"] <= 1.0 and div["final"]["pairwise_tv"] is None   # one live simulator
+    assert set(saved["methods"]["single"]["alarms"]) == {"0"}
+    assert "## Pool diversity" in md and "## Collapse monitor" in md
+    assert (run_dir / "pool_diversity.png").stat().st_size > 1000
+    assert "aligned" in json.loads((run_dir / "fidelity.json").read_text())
 
     # eval.py: every arm's final and best checkpoints re-evaluated, a section in the report
     import eval as eval_cli

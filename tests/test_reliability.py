@@ -27,7 +27,7 @@ from minscope.trainer import MAX_NONFINITE_IN_A_ROW, UpdateConfig, grpo_update
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_MODELS = ToyModelConfig(hidden=32, vocab=640, transcripts=120, vs_examples=40, sim_a_steps=10, vs_steps=10,
-                             sim_steps=5, policy_steps=5, batch=8, workers=1)
+                             sim_steps=5, policy_steps=5, aligned_steps=10, batch=8, workers=1)
 
 
 def tiny_config(name="toy", methods=("single",), seeds=(0,), steps=2, workers=1):

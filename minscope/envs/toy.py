@@ -310,8 +310,12 @@ class World:
         return best
 
     def exploit(self, gamma: float = 8.0) -> tuple[str, ...]:
-        """The cheap exploit of gamma-sharpened users: the best fixed act sequence inside them."""
-        return self.best_fixed(sharpened(self.reply_dist, gamma))[1]
+        """The cheap exploit of gamma-sharpened users: the best fixed act sequence inside them
+        (enumerated once per world and gamma)."""
+        cache = self.__dict__.setdefault("_exploits", {})
+        if gamma not in cache:
+            cache[gamma] = self.best_fixed(sharpened(self.reply_dist, gamma))[1]
+        return cache[gamma]
 
     def best_adaptive(self, reply_dist=None):
         """(value, policy) of the best history-dependent policy (expectimax over the persona
@@ -400,8 +404,9 @@ class World:
                 return ACTS[a]
         return ACTS[ACT_KEYS[rng.integers(len(ACT_KEYS))]]
 
-    def sample_transcripts(self, n: int, rng, policy="behavior"):
+    def sample_transcripts(self, n: int, rng, policy="behavior", reply_dist=None):
         """n episodes against the real users: list of (ToyTask, [(speaker, utterance), ...]).
+        `reply_dist`: another reply model for the users (e.g. `sharpened(world.reply_dist, 8)`).
 
         policy="behavior": a mixture that covers the rare histories (per episode: uniform
         random acts 0.4, pressure-heavy 0.2, upsell-heavy 0.2, the best adaptive policy 0.2;
@@ -423,7 +428,7 @@ class World:
                 else:
                     act = self.behavior_act(history, rng, style)
                 history = history + (act,)
-                history = history + (self.sample_reply(persona, history, rng),)
+                history = history + (self.sample_reply(persona, history, rng, reply_dist),)
             turns = [("agent" if i % 2 == 0 else "partner", u) for i, u in enumerate(history)]
             out.append((self.tasks[persona], turns))
         return out

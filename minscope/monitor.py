@@ -1,0 +1,135 @@
+"""A live simulator-collapse monitor: flags, during a run, the signature of a policy that
+overfits its training simulator instead of learning the users.
+
+It reads the records a run logs anyway (train steps and evaluations) and raises an alarm
+when a signal crosses its threshold:
+
+    divergence       training reward rising while held-out reward falls, over the last
+                     `window` evaluations (held out = the evaluation panel: all a user has)
+    divergence_real  the same against the real users (the toy only: its unseen simulators
+                     share sim-a's mode and prefer the collapsed policy, so the panel alone
+                     can miss it; reported as a separate signal)
+    entropy          the policy's entropy (mean of the last `window_steps` steps) below
+                     `entropy_frac` of its start
+    zero_var         the share of zero-variance groups (mean of the last `window_steps`)
+                     above `zero_var`: the simulator answers every rollout of a task alike
+    mode_prob        the training simulator's mode probability (collapse meter) above
+                     `mode_prob`
+
+An alarm is logged once per signal, when it first fires (`{"kind": "alarm", "step", "signal",
+"alarm_<signal>": value, ...}`); the caller prints one console line per run or arm. The
+state is a function of the records alone, so a resumed run replays its log (`replay`).
+The default thresholds were chosen from the toy's curves (README, "Collapse monitor").
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+SIGNALS = ("divergence", "divergence_real", "entropy", "zero_var", "mode_prob")
+
+
+@dataclass
+class MonitorConfig:
+    window: int = 3               # evaluations in the divergence window
+    min_rise: float = 0.1         # training reward must rise at least this much over it ...
+    min_fall: float = 0.02        # ... while held-out reward falls at least this much
+    window_steps: int = 5         # training steps averaged for entropy and zero_var
+    entropy_frac: float = 0.5     # alarm below this fraction of the starting entropy
+    zero_var: float = 0.5         # alarm above this share of zero-variance groups
+    mode_prob: float = 0.9        # alarm above this simulator mode probability
+
+
+class CollapseMonitor:
+    def __init__(self, cfg: MonitorConfig | None = None, panel_key: str = "panel",
+                 real_key: str | None = "real_users"):
+        self.cfg = cfg or MonitorConfig()
+        self.panel_key = panel_key        # the eval record's held-out panel mean
+        self.real_key = real_key          # a held-out score of real users, where the run has one
+        self.fired: dict[str, int] = {}   # signal -> first step
+        self.entropy0 = None
+        self.recent = deque(maxlen=self.cfg.window_steps)      # (entropy, zero_var) per step
+        self.since_eval: list[float] = []                      # train rewards since the last eval
+        self.evals = deque(maxlen=self.cfg.window)             # (train reward, panel, real)
+
+    def _alarm(self, signal: str, step: int, value: float, detail: str) -> list[dict]:
+        if signal in self.fired:
+            return []
+        self.fired[signal] = step
+        return [{"kind": "alarm", "step": step, "signal": signal, f"alarm_{signal}": float(value), "detail": detail}]
+
+    def on_train(self, rec: dict) -> list[dict]:
+        c, out = self.cfg, []
+        if rec.get("train_reward") is not None:
+            self.since_eval.append(rec["train_reward"])
+        if rec.get("policy_entropy") is None or rec.get("zero_var_frac") is None:
+            return out
+        self.recent.append((rec["policy_entropy"], rec["zero_var_frac"]))
+        if len(self.recent) < c.window_steps:
+            return out
+        ent, zv = (float(np.mean(x)) for x in zip(*self.recent))
+        if self.entropy0 is None:
+            self.entropy0 = ent                 # the first full window is the start
+        if ent < c.entropy_frac * self.entropy0:
+            out += self._alarm("entropy", rec["step"], ent, f"policy entropy {ent:.2f} < {c.entropy_frac:g} x "
+                                                           f"its start {self.entropy0:.2f}")
+        if zv > c.zero_var:
+            out += self._alarm("zero_var", rec["step"], zv, f"zero-variance groups {zv:.2f} > {c.zero_var:g}")
+        return out
+
+    def on_eval(self, rec: dict) -> list[dict]:
+        c, out, step = self.cfg, [], rec["step"]
+        mode = (rec.get("meter") or {}).get("mode_prob")
+        if mode is not None and np.isfinite(mode) and mode > c.mode_prob:
+            out += self._alarm("mode_prob", step, mode, f"simulator mode probability {mode:.2f} > {c.mode_prob:g}")
+        if self.since_eval:                     # evaluations with training behind them
+            self.evals.append((float(np.mean(self.since_eval)), rec.get(self.panel_key),
+                               rec.get(self.real_key) if self.real_key else None))
+            self.since_eval = []
+        if len(self.evals) == c.window:
+            first, last = self.evals[0], self.evals[-1]
+            rise = last[0] - first[0]
+            for signal, i in (("divergence", 1), ("divergence_real", 2)):
+                if first[i] is None or last[i] is None or rise < c.min_rise:
+                    continue
+                fall = first[i] - last[i]
+                if fall >= c.min_fall:
+                    where = "panel" if i == 1 else "real users"
+                    out += self._alarm(signal, step, fall, f"train reward +{rise:.2f} while the {where}' "
+                                                           f"reward fell {fall:.2f} over {c.window} evaluations")
+        return out
+
+    def on_record(self, rec: dict) -> list[dict]:
+        kind = rec.get("kind")
+        return self.on_train(rec) if kind == "train" else self.on_eval(rec) if kind == "eval" else []
+
+    def replay(self, records) -> None:
+        """Rebuild the state from a resumed run's log (its alarm records included)."""
+        for rec in records:
+            if rec.get("kind") == "alarm":
+                self.fired.setdefault(rec["signal"], rec["step"])
+            else:
+                self.on_record(rec)
+
+
+def log_with_alarms(monitor: CollapseMonitor, rec: dict, write, announce=None, **tags) -> None:
+    """write(rec), then write every alarm it raises (tagged with `tags`); `announce(line)` is
+    called for the first alarm of the run only: one console line, not a flood."""
+    write(rec)
+    for alarm in monitor.on_record(rec):
+        write({**alarm, **tags})
+        if announce is not None and len(monitor.fired) == 1:
+            announce(f"collapse monitor: {alarm['detail']} (step {alarm['step']}; every alarm: "
+                     "'kind': 'alarm' records in metrics.jsonl)")
+
+
+def first_alarms(records) -> dict:
+    """{signal: first step} of the alarm records of one run or arm."""
+    out = {}
+    for r in records:
+        if r.get("kind") == "alarm":
+            out.setdefault(r["signal"], r["step"])
+    return out

@@ -1,0 +1,112 @@
+"""The live collapse monitor and the pool-diversity measurements (scripted speakers: exact)."""
+import pytest
+
+from minscope.diversity import exploit_value, member_profile, pool_diversity
+from minscope.envs.toy import RealUsers, SharpenedUsers, World, sharpened
+from minscope.monitor import CollapseMonitor, MonitorConfig, first_alarms
+
+
+def train(step, reward=0.5, entropy=1.0, zero_var=0.0):
+    return {"kind": "train", "step": step, "train_reward": reward, "policy_entropy": entropy, "zero_var_frac": zero_var}
+
+
+def evaluation(step, panel, real=None, mode=None):
+    rec = {"kind": "eval", "step": step, "panel": panel, "real_users": real}
+    if mode is not None:
+        rec["meter"] = {"mode_prob": mode}
+    return rec
+
+
+def run(records, cfg=None):
+    mon, alarms = CollapseMonitor(cfg), []
+    for r in records:
+        alarms += mon.on_record(r)
+    return mon, alarms
+
+
+def collapsing_run():
+    """Training reward climbs, entropy falls to a quarter, the groups go zero-variance, the
+    panel score falls: every signal of the signature."""
+    recs = [evaluation(0, 0.5, 0.4, mode=0.7)]
+    for s in range(30):
+        f = s / 29
+        recs.append(train(s, reward=0.3 + 0.6 * f, entropy=1.0 - 0.75 * f, zero_var=0.8 * f))
+        if (s + 1) % 10 == 0:
+            recs.append(evaluation(s + 1, 0.5 - 0.05 * (s + 1) / 10, 0.4 - 0.04 * (s + 1) / 10, mode=0.95))
+    return recs
+
+
+def healthy_run():
+    """Training and held-out rewards rise together; entropy and zero-variance stay put."""
+    recs = [evaluation(0, 0.4, 0.3, mode=0.6)]
+    for s in range(30):
+        recs.append(train(s, reward=0.3 + 0.01 * s, entropy=1.0 - 0.005 * s, zero_var=0.1))
+        if (s + 1) % 10 == 0:
+            recs.append(evaluation(s + 1, 0.4 + 0.02 * (s + 1) / 10, 0.3 + 0.03 * (s + 1) / 10, mode=0.6))
+    return recs
+
+
+def test_the_collapse_signature_raises_every_alarm_once():
+    mon, alarms = run(collapsing_run())
+    assert sorted(a["signal"] for a in alarms) == sorted(["divergence", "divergence_real", "entropy", "zero_var",
+                                                         "mode_prob"])
+    steps = first_alarms(alarms)
+    assert steps["mode_prob"] == 10            # the first metered evaluation above 0.9
+    assert steps["divergence"] == 30           # needs `window` = 3 evaluations with training behind them
+    # the mean of the last 5 steps: entropy 1 - 0.75 (s - 2) / 29 below half the first window's
+    # mean (0.948) from step 23; zero-variance 0.8 (s - 2) / 29 above 0.5 from step 21
+    assert steps["entropy"] == 23 and steps["zero_var"] == 21
+    assert all(f"alarm_{a['signal']}" in a for a in alarms)
+
+
+def test_a_healthy_run_raises_none():
+    assert run(healthy_run())[1] == []
+
+
+def test_thresholds_are_settings():
+    recs = healthy_run()
+    assert run(recs, MonitorConfig(mode_prob=0.5))[1][0]["signal"] == "mode_prob"
+    assert {a["signal"] for a in run(collapsing_run(), MonitorConfig(entropy_frac=0.1, zero_var=0.95,
+                                                                       mode_prob=0.99))[1]} == {"divergence",
+                                                                                                "divergence_real"}
+
+
+def test_a_resumed_monitor_replays_its_log_and_does_not_repeat_alarms():
+    recs = collapsing_run()
+    cut = 25
+    mon, alarms = run(recs[:cut])
+    log = recs[:cut] + alarms
+    again = CollapseMonitor()
+    again.replay(log)
+    rest = [a for r in recs[cut:] for a in again.on_record(r)]
+    _, straight = run(recs)
+    assert alarms + rest == straight
+
+
+# ------------------------------------------------------------------ pool diversity
+W, GAMMA = World(), 8.0
+
+
+def test_exploit_value_inside_exact_users_matches_the_exact_value():
+    seq = W.exploit(GAMMA)
+    exact_sharp = W.exact_value(lambda h: seq[len(h) // 2], reply_dist=sharpened(W.reply_dist, GAMMA))
+    exact_real = W.exact_value(lambda h: seq[len(h) // 2])
+    assert exploit_value(SharpenedUsers(GAMMA, seed=1), W, GAMMA, episodes=400) == pytest.approx(exact_sharp, abs=0.05)
+    assert exploit_value(RealUsers(seed=1), W, GAMMA, episodes=400) == pytest.approx(exact_real, abs=0.06)
+    assert exact_sharp - exact_real > 0.5       # the exploit pays only inside the collapsed users
+
+
+def test_pool_diversity_tells_copies_from_distinct_members():
+    n = 400
+    sim_a = member_profile(SharpenedUsers(GAMMA, seed=0), W, GAMMA, n)
+    copies = {f"s{i}": member_profile(SharpenedUsers(GAMMA, seed=i + 1), W, GAMMA, n) for i in range(3)}
+    mixed = {"s0": copies["s0"], "real": member_profile(RealUsers(seed=7), W, GAMMA, n)}
+    same = pool_diversity(copies, sim_a, W, GAMMA)
+    diff = pool_diversity(mixed, sim_a, W, GAMMA)
+    assert same["pairwise_tv"] < 0.05 and same["tv_sim_a"] < 0.05          # sampling noise only
+    assert diff["pairwise_tv"] > 0.2
+    assert diff["members"]["real"]["tv_real"] < 0.06 < diff["members"]["real"]["tv_sim_a"]
+    assert diff["members"]["real"]["exploit_value"] < diff["members"]["s0"]["exploit_value"] - 0.4
+    assert same["sim_a_exploit_value"] == sim_a["exploit_value"]
+    one = pool_diversity({"s0": copies["s0"]}, sim_a, W, GAMMA)
+    assert one["pairwise_tv"] is None and one["tv_sim_a"] == same["members"]["s0"]["tv_sim_a"]
