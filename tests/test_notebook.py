@@ -43,6 +43,14 @@ EXPECTED = {
         "running the kernels in Triton's CPU interpreter",      # triton is in requirements.txt
         "token_logprobs backward, triton vs torch",
     ],
+    "04_verbalized_sampling": [
+        "gamma 8: P(yes) 0.988, P(take the pledge back) 0.012",
+        "inside gamma    8: 0.988",
+        "percentages             3  'yes i give 2 dollars': 0.50, 'no thanks': 0.25, 'forget it': 0.25",
+        "a plain reply           0  nothing usable",
+        "'requests': 2000,",
+        "perfect VS answer (top-5, renormalised)                    TV to real users: 0.013",
+    ],
 }
 
 
