@@ -21,7 +21,10 @@ honoured), after which `ServedError` names the endpoint and the last failure. It
 `RunStopped`: train.py prints it as one line, and the run's last saved step is intact
 (`--resume` continues once the endpoint is back). Other 4xx answers (a wrong model name,
 a missing key) are not retried. Defaults can be changed with MINSCOPE_SERVED_CONCURRENCY,
-MINSCOPE_SERVED_TIMEOUT, MINSCOPE_SERVED_RETRIES and MINSCOPE_SERVED_BACKOFF.
+MINSCOPE_SERVED_TIMEOUT, MINSCOPE_SERVED_RETRIES and MINSCOPE_SERVED_BACKOFF;
+MINSCOPE_SERVED_EXTRA is a JSON object merged into every request body, e.g.
+'{"chat_template_kwargs": {"enable_thinking": false}}' to keep a Qwen3 served by vLLM (or
+by minscope.serve) from thinking, as minscope's own speakers do by default.
 
 `usage` counts requests, retries, the endpoint's token usage and latencies;
 `take_usage(speakers)` sums and resets it for metrics.jsonl (one record per step).
@@ -30,6 +33,7 @@ MINSCOPE_SERVED_TIMEOUT, MINSCOPE_SERVED_RETRIES and MINSCOPE_SERVED_BACKOFF.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import random
 import re
@@ -75,6 +79,21 @@ def _env_number(name: str, default, kind=float):
         raise SystemExit(f"{name}={value!r}: expected a number") from None
 
 
+def extra_body() -> dict:
+    """MINSCOPE_SERVED_EXTRA: fields added to every request (a JSON object)."""
+    text = os.environ.get("MINSCOPE_SERVED_EXTRA", "").strip()
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise SystemExit(f"MINSCOPE_SERVED_EXTRA={text!r}: expected a JSON object, e.g. "
+                         '\'{"chat_template_kwargs": {"enable_thinking": false}}\'')
+    return value
+
+
 def api_key() -> str | None:
     return next((os.environ[k] for k in KEY_VARS if os.environ.get(k)), None)
 
@@ -102,6 +121,7 @@ class ServedSpeaker:
         self.retries = retries if retries is not None else _env_number("MINSCOPE_SERVED_RETRIES", 4, int)
         self.backoff = backoff if backoff is not None else _env_number("MINSCOPE_SERVED_BACKOFF", 1.0)
         self.key = key if key is not None else api_key()
+        self.extra = extra_body()
         self.usage = _Usage()
         self._client = None
 
@@ -168,7 +188,7 @@ class ServedSpeaker:
     def _request(self, messages: list[dict]) -> str:
         import httpx
 
-        body = {"model": self.model, "messages": messages, "temperature": self.temperature,
+        body = {**self.extra, "model": self.model, "messages": messages, "temperature": self.temperature,
                 "max_tokens": self.max_new_tokens}
         last = ""
         for attempt in range(self.retries + 1):

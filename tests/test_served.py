@@ -157,7 +157,8 @@ class Flaky:
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
             self.calls += 1
-            body = await request.json()
+            body = self.last = await request.json()
+            self.headers = dict(request.headers)
             if self.mode == "500":
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)
             if self.mode == "hang":
@@ -314,15 +315,20 @@ def test_specs_and_wrong_settings_fail_before_any_model_loads(tmp_path, run_fold
     assert all(float(p.abs().sum()) == 0 for n, p in model.named_parameters() if ".served." in n)
 
 
-def test_a_verbalized_served_simulator_sends_the_vs_request(flaky):
+def test_a_verbalized_served_simulator_sends_the_vs_request(flaky, monkeypatch):
     env = P4GEnv(P4G_CSV)
     flaky.mode = "canned"
+    monkeypatch.setenv("MINSCOPE_SERVED_EXTRA", '{"chat_template_kwargs": {"enable_thinking": false}}')
+    monkeypatch.setenv("MINSCOPE_API_KEY", "sk-test")
     base = ServedSpeaker.from_spec(f"openai:sim@{flaky.url}", max_new_tokens=10)
     vs = Verbalized(base, k=3, retries=1)
     assert "Answer with JSON only" in vs.speaker.messages_for(env, episodes(env, 1)[0])[0]["content"]
     assert vs.speaker.max_new_tokens == 40 and base.system_suffix == ""
     turns = vs.respond(episodes(env, 2), env)
     assert [t.text for t in turns] == ["fine, thanks"] * 2 and vs.stats.fallbacks == 2 and flaky.calls == 4
+    assert flaky.last["chat_template_kwargs"] == {"enable_thinking": False} and flaky.last["max_tokens"] == 40
+    assert "Answer with JSON only" in flaky.last["messages"][0]["content"]
+    assert flaky.headers["authorization"] == "Bearer sk-test"
     persona = ServedPersonaGuided(base, ["a retired teacher", "a busy student"], seed=0)
     eps = episodes(env, 2)
     persona.assign(eps)
