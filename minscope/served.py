@@ -182,8 +182,11 @@ class ServedSpeaker:
             return []
         if len(conversations) == 1:
             return [self._request(conversations[0])]
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(conversations))) as pool:
+        pool = ThreadPoolExecutor(max_workers=min(self.concurrency, len(conversations)))
+        try:
             return list(pool.map(self._request, conversations))
+        finally:   # after a failure (or Ctrl-C) the requests not yet sent are dropped
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _request(self, messages: list[dict]) -> str:
         import httpx
