@@ -111,12 +111,16 @@ def main(argv=None):
     config = read_json(run_dir / "config.json")
     read_jsonl(run_dir / "metrics.jsonl")    # a damaged log: one message naming it, before any work
     if "models" not in config:       # a real-model run (train.py --env p4g / tau2 / wordgame)
+        from minscope.errors import RunStopped
         from minscope.real_report import write_real_report
 
-        path = write_real_report(run_dir, evaluate=not args.report_only,
-                                 transcripts_per_member=args.transcripts, episodes=args.episodes,
-                                 trials=args.trials, checkpoint=args.checkpoint, panel=args.panel,
-                                 max_tasks=args.max_tasks)
+        try:
+            path = write_real_report(run_dir, evaluate=not args.report_only,
+                                     transcripts_per_member=args.transcripts, episodes=args.episodes,
+                                     trials=args.trials, checkpoint=args.checkpoint, panel=args.panel,
+                                     max_tasks=args.max_tasks)
+        except RunStopped as e:          # e.g. a served panel member's endpoint kept failing
+            raise SystemExit(f"stopped: {e}") from None
         print(f"wrote {path}")
         return
     from minscope import experiment, report
