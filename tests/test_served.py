@@ -23,7 +23,7 @@ from minscope.rollout import LMSpeaker
 from minscope.runner import _attach_adapter, adapter_folder
 from minscope.serve import Generator, Job, make_server
 from minscope.served import ServedError, ServedPersonaGuided, ServedSpeaker, parse_spec, take_usage
-from minscope.simulators import Verbalized
+from minscope.simulators import Ensemble, Verbalized
 from test_chat_templates import make_tokenizer
 
 P4G_CSV = Path(__file__).parent / "fixtures" / "p4g" / "csv"
@@ -315,7 +315,7 @@ def test_specs_and_wrong_settings_fail_before_any_model_loads(tmp_path, run_fold
     assert all(float(p.abs().sum()) == 0 for n, p in model.named_parameters() if ".served." in n)
 
 
-def test_a_verbalized_served_simulator_sends_the_vs_request(flaky, monkeypatch):
+def test_verbalized_persona_and_ensemble_with_served_simulators(flaky, monkeypatch):
     env = P4GEnv(P4G_CSV)
     flaky.mode = "canned"
     monkeypatch.setenv("MINSCOPE_SERVED_EXTRA", '{"chat_template_kwargs": {"enable_thinking": false}}')
@@ -335,3 +335,11 @@ def test_a_verbalized_served_simulator_sends_the_vs_request(flaky, monkeypatch):
     assert all(ep.partner_name == "persona" and ep.info["persona"] in persona.personas for ep in eps)
     assert persona.messages_for(env, eps[0])[0]["content"].endswith("Play this person:\n" + eps[0].info["persona"])
     assert [t.text for t in persona.respond(eps, env)] == ["fine, thanks"] * 2
+    members = [base.derive(name="a"), ServedSpeaker.from_spec(f"openai:other@{flaky.url}", name="b")]
+    ensemble = Ensemble(members, seed=0)
+    eps = [Episode(task=env.tasks("all")[0], group=g) for g in range(4)]
+    ensemble.assign(eps)
+    assert sorted(ep.partner_name for ep in eps) == ["a", "a", "b", "b"]
+    assert [t.text for t in ensemble.respond(eps, env)] == ["fine, thanks"] * 4
+    # copies share their original's counters: base's (VS 4, persona 2, member a 2) and member b's (2)
+    assert take_usage(members)["served_requests"] == 10 and flaky.calls == 10
