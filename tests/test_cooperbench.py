@@ -16,7 +16,7 @@ import pytest
 
 from minscope.envs import cooperbench_eval as ev
 from minscope.envs.base import Episode, Turn
-from minscope.envs.cooperbench import CooperBenchEnv, CoopTask, read_subset
+from minscope.envs.cooperbench import CooperBenchEnv, read_subset
 from minscope.rollout import rollout, view_messages
 from minscope.toolcalls import format_tool_call
 
@@ -197,7 +197,9 @@ def test_tasks_are_the_feature_pairs_and_a_subset_file_picks_some(toy, tmp_path)
     subset = tmp_path / "mine.json"
     subset.write_text(json.dumps({"tasks": [{"repo": "toy_calc_task", "task_id": 1, "pairs": [[3, 1]]}]}))
     assert read_subset(subset) == {NAME: [(1, 3)]}
-    assert [t.id for t in env_for(task, test_subset=subset).tasks("test")] == [f"{NAME}:f1+f3"]
+    held = env_for(task, test_subset=subset)
+    assert [t.id for t in held.tasks("test")] == [f"{NAME}:f1+f3"]
+    assert [t.id for t in held.tasks("train")] == [f"{NAME}:f1+f2", f"{NAME}:f2+f3"]
     with pytest.raises(FileNotFoundError, match="no task nope_task/task9"):
         CooperBenchEnv(task.parent.parent, task.parent.parent.parent / "repos", tasks=["nope_task/task9"])
 

@@ -332,7 +332,8 @@ class CooperBenchEnv(Environment):
 
     data: the dataset folder; repos: the folder of base repositories; tasks: task names
     (`<repo>_task/task<N>`, default all in `data`); subset / test_subset: official subset files
-    choosing the training / held-out pairs (without test_subset there is no test split);
+    choosing the training / held-out pairs (held-out pairs are never training pairs; without
+    test_subset there is no test split);
     max_turns: generated turns per coder; bash: also offer the `bash` tool (not a sandbox);
     specs: TaskSpec per task name, for tasks outside `cooperbench_eval.MANIFEST`;
     tool_timeout: seconds for run_tests and bash.
@@ -357,7 +358,9 @@ class CooperBenchEnv(Environment):
             name = ev.task_name(t)
             self.specs[name] = ev.task_spec(t, (specs or {}).get(name))   # unknown task: EvalError
             self.repos[name] = find_repo(repos, t)
-        self.splits = {"train": self._pairs(subset), "test": self._pairs(test_subset) if test_subset else []}
+        test = self._pairs(test_subset) if test_subset else []
+        held_out = set(test)
+        self.splits = {"train": [t for t in self._pairs(subset) if t not in held_out], "test": test}
         self._root: Path | None = None
         self._tools = TOOLS + ([BASH_TOOL] if bash else [])
 

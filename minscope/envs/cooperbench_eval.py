@@ -43,7 +43,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 OUTPUT_CHARS = 20_000        # test output kept in a result (head + tail); counts use all of it
