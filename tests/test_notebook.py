@@ -51,6 +51,15 @@ EXPECTED = {
         "'requests': 2000,",
         "perfect VS answer (top-5, renormalised)                    TV to real users: 0.013",
     ],
+    "06_real_models": [
+        "re-rendered conversation starts with the turn-1 stream: False",
+        "per-turn deltas valid for this template: True",
+        "agent   stream:", "exact True, sampled ids == its turns' ids: True",
+        "\"I can't give $2, but I will donate $1.\"                -> 1.0",
+        "reward from the official evaluators: 1.0",       # tau2 is installed for the test suite
+        "the same conversation without the tool calls: 0.0",
+        "one step, 2 personas x 4 episodes x 4 turns:", "max |sampled - recomputed| over the trained tokens: ",
+    ],
 }
 
 
