@@ -307,6 +307,9 @@ def training_log(run_dir: Path) -> list[str]:
         for r in evals:
             out.append(f"| {r['step']} | " + " | ".join(_f(r.get(n)) for n in names) +
                        f" | {_f(r.get('panel_mean'))} |")
+    alarms = [r for r in recs if r.get("kind") == "alarm"]
+    out += ["", "Collapse monitor (minscope/monitor.py): " + ("; ".join(f"step {r['step']}: {r['detail']}" for r in alarms)
+                                                           if alarms else "no alarm.")]
     out += timings([r for r in recs if r.get("kind") == "train"], evals)
     return out
 

@@ -178,3 +178,18 @@ def test_thinking_reaches_every_party_of_a_run_and_of_its_evaluation():
     models_thinking(models, False)
     assert not any(s.thinking for s in (policy, b, c))
     assert policy.chat.render([{"role": "user", "content": "hi"}]).endswith("<think>\n\n</think>\n\n")
+
+
+def test_the_collapse_monitor_watches_real_runs(tmp_path, template_models, monkeypatch, capsys):
+    # thresholds that fire at once (every group is "zero-variance" above -1): the alarm is
+    # logged with its step, printed once and shown in the report's training log
+    from minscope import monitor, runner
+
+    cfg = monitor.MonitorConfig(window_steps=1, zero_var=-1.0)
+    monkeypatch.setattr(runner, "CollapseMonitor", lambda **kw: monitor.CollapseMonitor(cfg, **kw))
+    recs = train(tmp_path, template_models["qwen3"], method="single")
+    alarms = [r for r in recs if r["kind"] == "alarm"]
+    assert [(a["signal"], a["step"]) for a in alarms] == [("zero_var", 0)]
+    assert capsys.readouterr().out.count("collapse monitor:") == 1
+    assert "Collapse monitor (minscope/monitor.py): step 0: zero-variance groups" in "\n".join(
+        training_log(tmp_path / "run"))
