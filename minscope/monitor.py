@@ -133,3 +133,64 @@ def first_alarms(records) -> dict:
         if r.get("kind") == "alarm":
             out.setdefault(r["signal"], r["step"])
     return out
+
+
+def relog(records, cfg: MonitorConfig, **kw) -> list[dict]:
+    """A finished log as a live monitor with thresholds `cfg` would have written it: its train
+    and eval records, each followed by the alarms it raises (old alarm records dropped). The
+    monitor only reads the records, so training does not depend on its thresholds."""
+    mon, out = CollapseMonitor(cfg, **kw), []
+    for rec in records:
+        if rec.get("kind") == "alarm":
+            continue
+        out.append(rec)
+        tags = {k: rec[k] for k in ("method", "seed") if k in rec}
+        out += [{**a, **tags} for a in mon.on_record(rec)]
+    return out
+
+
+def main(argv=None):
+    """python -m minscope.monitor RUN_DIR [--set KEY=VALUE ...] [--write]: the alarms of a toy
+    run's arms under other thresholds (to choose them from a run's own curves); --write also
+    replaces the alarm records in its logs and the thresholds in its config.json."""
+    import argparse
+    import json
+    from dataclasses import asdict, fields, replace
+    from pathlib import Path
+
+    from .files import read_json, read_jsonl, write_text_atomic
+
+    p = argparse.ArgumentParser(prog="python -m minscope.monitor", description=main.__doc__)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a threshold, e.g. entropy_frac=0.3 (keys: " + ", ".join(f.name for f in fields(MonitorConfig)) + ")")
+    p.add_argument("--write", action="store_true", help="rewrite the run's alarm records and config.json")
+    args = p.parse_args(argv)
+    config = read_json(args.run_dir / "config.json")
+    cfg = MonitorConfig(**config.get("monitor", {}))
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if key not in {f.name for f in fields(MonitorConfig)}:
+            p.error(f"--set {item}: unknown threshold {key!r}")
+        cfg = replace(cfg, **{key: type(getattr(cfg, key))(value)})
+    logs = sorted((args.run_dir / "arms").glob("*.jsonl"))
+    if not logs:
+        p.error(f"{args.run_dir} has no arms/*.jsonl: is it a toy run?")
+    print(f"thresholds: {cfg}\n{'arm':28s} first step of each signal")
+    for log in logs:
+        records = relog(read_jsonl(log), cfg)
+        alarms = [r for r in records if r.get("kind") == "alarm"]
+        print(f"{log.stem:28s} " + (", ".join(f"{a['signal']} {a['step']}" for a in alarms) or "-"))
+        if args.write:
+            write_text_atomic(log, "".join(json.dumps(r) + "\n" for r in records))
+    if args.write:
+        from .experiment import load_config, merge_metrics
+
+        config["monitor"] = asdict(cfg)
+        write_text_atomic(args.run_dir / "config.json", json.dumps(config, indent=2))
+        merge_metrics(args.run_dir, load_config(args.run_dir / "config.json"))
+        print(f"rewritten; the report: python eval.py {args.run_dir} --report-only")
+
+
+if __name__ == "__main__":
+    main()

@@ -110,3 +110,17 @@ def test_pool_diversity_tells_copies_from_distinct_members():
     assert same["sim_a_exploit_value"] == sim_a["exploit_value"]
     one = pool_diversity({"s0": copies["s0"]}, sim_a, W, GAMMA)
     assert one["pairwise_tv"] is None and one["tv_sim_a"] == same["members"]["s0"]["tv_sim_a"]
+
+
+def test_relog_reproduces_the_live_log_and_applies_other_thresholds():
+    from minscope.monitor import relog
+
+    recs = collapsing_run()
+    mon, live = CollapseMonitor(), []
+    for r in recs:
+        live.append(r)
+        live += mon.on_record(r)
+    assert relog(live, MonitorConfig()) == live                    # old alarms dropped, the same ones again
+    strict = relog(live, MonitorConfig(entropy_frac=0.1, zero_var=0.95, mode_prob=0.99))
+    assert {r["signal"] for r in strict if r["kind"] == "alarm"} == {"divergence", "divergence_real"}
+    assert [r for r in strict if r["kind"] != "alarm"] == recs
