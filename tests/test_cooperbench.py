@@ -133,8 +133,9 @@ def test_gold_pairs_pass_after_a_clean_or_a_union_merge(toy):
     assert r["merge"]["status"] == "conflicts" and r["merge"]["strategy"] == "union"   # same lines edited
     assert r["both_passed"] and r["feature1"]["passed"] and r["feature2"]["passed"]
     assert r["apply_status"] == {"agent1": "applied", "agent2": "applied"}
-    r = ev.evaluate_pair(task, repo, 1, 3, gold(task, 1), gold(task, 3), spec=SPEC)
-    assert r["merge"] == {**r["merge"], "status": "clean", "strategy": "naive"} and r["both_passed"]
+    for f1, f2 in ((1, 3), (2, 3)):                  # different files: a plain merge
+        r = ev.evaluate_pair(task, repo, f1, f2, gold(task, f1), gold(task, f2), spec=SPEC)
+        assert r["merge"] == {**r["merge"], "status": "clean", "strategy": "naive"} and r["both_passed"]
 
 
 def test_wrong_empty_and_test_editing_patches_are_graded_as_the_official_evaluator(toy, tmp_path):
