@@ -51,6 +51,14 @@ EXPECTED = {
         "'requests': 2000,",
         "perfect VS answer (top-5, renormalised)                    TV to real users: 0.013",
     ],
+    "05_cotraining_and_population": [
+        "curriculum   [0.044, 0.044, 0.044, 0.044, 1.0, 1.0, 1.0, 1.0, 0.823, 0.823, 0.823, 0.823]",
+        "curriculum, group baseline -> refused:",
+        "every generated token is in exactly one party's mask: True",
+        "snapshot at step 8: pool holds the snapshots of steps [4, 6, 8]",
+        "6 steps in", "mean pairwise TV between pool members:",
+        "the exploit, real users     simulator-side", "(exact 0.182)", "(exact 0.012)", "(exact 0.099)",
+    ],
     "06_real_models": [
         "re-rendered conversation starts with the turn-1 stream: False",
         "per-turn deltas valid for this template: True",
