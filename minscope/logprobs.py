@@ -13,11 +13,20 @@ Function walks the rows in chunks of `chunk_size`: the forward keeps only logsum
 row, and the backward recomputes each chunk's logits. Peak extra memory is a few
 [chunk_size, V] blocks instead of a few [N, V] ones.
 
-Two backends compute the same thing:
+Three backends compute the same thing:
   "torch"  plain PyTorch chunks (every device; the reference path);
   "triton" fused kernels from `minscope.triton_logprobs` (CUDA; on CPU only under
            TRITON_INTERPRET=1, for tests): the forward never writes a [chunk, V] block.
-  "auto"   triton when the hidden states are on CUDA and Triton imports, else torch.
+  "cublas" per chunk, cuBLAS writes fp32 logits, one Triton pass per row turns them into the
+           statistics and (in place, in the input dtype) the logit gradient, cuBLAS does dx
+           (`minscope.cublas_logprobs`; CUDA, or TRITON_INTERPRET=1 on CPU for tests).
+  "auto"   triton when the hidden states are on CUDA and Triton imports, else torch. (Which of
+           triton and cublas is faster is for bench/logprobs.py on a GPU to say; until it has,
+           auto keeps the measured triton path.)
+
+Without a gradient to compute (torch.no_grad(), or neither hidden nor weight requires grad:
+evaluation, the reference model's log-probs) `token_logprobs` runs the forward chunks only
+and keeps nothing for a backward pass.
 
 bf16/fp16 inputs: the matmuls run in the input dtype, the softmax maths in fp32, and the
 outputs (log-probs, entropy) are fp32.
@@ -32,6 +41,9 @@ statistics kernel also writes each tile's exp(z - running max) in the input dtyp
 the dx matmul makes the gradient from them tile by tile inside its own loop, so no
 gradient block [chunk, V] is ever written (see `minscope.triton_logprobs`). Nothing
 besides dx (and dW) has to be kept for the backward.
+The cublas backend gets the same two matmuls from cuBLAS itself: its row pass works out
+dloss/dlogp of each row inside the kernel, right after the row's log-prob, and writes G over
+that chunk's logits (see `minscope.cublas_logprobs`).
 
 The gradient w.r.t. W is summed over row chunks in fp32 and only cast to W's dtype at the
 end. The weight is usually frozen (LoRA); tiny models trained from scratch do need it.
@@ -47,7 +59,7 @@ from torch.torch_version import TorchVersion
 
 from . import grpo
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cublas")
 
 
 # --------------------------------------------------------------------------- public API
@@ -63,8 +75,12 @@ def token_logprobs(hidden, weight, targets, temperature: float = 1.0, return_ent
     lead_shape = targets.shape
     x, y = _flatten(hidden, weight, targets, chunk_size, temperature)
     use = resolve_backend(backend, x)
-    logp, entropy = _ChunkedTokenLogProbs.apply(x, weight, y, float(temperature), int(chunk_size),
-                                                use, bool(return_entropy))
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        logp, entropy = _ChunkedTokenLogProbs.apply(x, weight, y, float(temperature), int(chunk_size),
+                                                    use, bool(return_entropy))
+    else:   # forward only: no autograd node, nothing saved
+        logp, _, entropy = _forward_stats(x, weight, y, float(temperature), int(chunk_size), use,
+                                          bool(return_entropy))
     if return_entropy:
         return logp.view(lead_shape), entropy.view(lead_shape)
     return logp.view(lead_shape)
@@ -105,18 +121,18 @@ def fused_grpo_token_loss(hidden, weight, targets, old_logp, ref_logp, advantage
 
 
 def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
-    """"torch" or "triton" for `backend` in BACKENDS and these hidden states."""
+    """"torch", "triton" or "cublas" for `backend` in BACKENDS and these hidden states."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS} "
                          "('auto' picks triton on CUDA when Triton imports, torch otherwise)")
     if backend == "auto":
         return "triton" if hidden.is_cuda and triton_available() else "torch"
-    if backend == "triton":
+    if backend in ("triton", "cublas"):   # both run Triton kernels
         if not triton_available():
-            raise ValueError("backend='triton' but Triton does not import; pip install triton, "
+            raise ValueError(f"backend={backend!r} but Triton does not import; pip install triton, "
                              "or use backend='torch'")
         if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"backend='triton' needs CUDA tensors (got {hidden.device}); on CPU "
+            raise ValueError(f"backend={backend!r} needs CUDA tensors (got {hidden.device}); on CPU "
                              "use backend='torch', or set TRITON_INTERPRET=1 before importing "
                              "triton to run the kernels in the (slow) interpreter")
     return backend
@@ -233,6 +249,10 @@ def _chunk_stats(x_chunk, weight, y_chunk, temperature, want_entropy, backend):
         from . import triton_logprobs
         logp, lse, entropy = triton_logprobs.softmax_stats(x_chunk, weight, y_chunk, temperature)
         return logp, lse, (entropy if want_entropy else None)
+    if backend == "cublas":
+        from . import cublas_logprobs
+        z = cublas_logprobs.chunk_logits(x_chunk, weight)               # [C, V] fp32, raw
+        return cublas_logprobs.row_stats(z, y_chunk, temperature, want_entropy)
     z = _chunk_logits(x_chunk, weight, temperature)
     logp, lse, entropy, _ = _torch_softmax_stats(z, y_chunk, want_entropy, want_probs=False)
     return logp, lse, entropy
@@ -243,6 +263,10 @@ def _chunk_logit_grad(x_chunk, weight, y_chunk, lse, dlogp, temperature, backend
     if backend == "triton":
         from . import triton_logprobs
         return triton_logprobs.logit_grad(x_chunk, weight, y_chunk, lse, dlogp, temperature)
+    if backend == "cublas":
+        from . import cublas_logprobs
+        z = cublas_logprobs.chunk_logits(x_chunk, weight)
+        return cublas_logprobs.grad_in_place(z, y_chunk, lse, dlogp, temperature, x_chunk.dtype)
     z = _chunk_logits(x_chunk, weight, temperature)
     probs = z.sub_(lse[:, None]).exp_()                                # [C, V] softmax, in place
     return _probs_to_logit_grad(probs, y_chunk, dlogp, temperature, x_chunk.dtype)
@@ -267,23 +291,30 @@ class _GradAccumulator:
 
 
 # ------------------------------------------------------------------- autograd functions
+def _forward_stats(x, weight, targets, temperature, chunk_size, backend, want_entropy):
+    """(logp [N], lse [N], entropy [N] or None), chunk by chunk; nothing else survives."""
+    n = x.shape[0]
+    logp = torch.empty(n, dtype=torch.float32, device=x.device)
+    entropy = torch.empty(n, dtype=torch.float32, device=x.device) if want_entropy else None
+    lse = torch.empty(n, dtype=torch.float32, device=x.device)
+    # The triton forward holds no [C, V] block, so it takes all rows in one launch.
+    step = n if backend == "triton" else chunk_size
+    for start in range(0, n, max(step, 1)):
+        rows = slice(start, start + step)
+        lp, ls, ent = _chunk_stats(x[rows], weight, targets[rows], temperature, want_entropy, backend)
+        logp[rows], lse[rows] = lp, ls
+        if want_entropy:
+            entropy[rows] = ent
+    return logp, lse, entropy
+
+
 class _ChunkedTokenLogProbs(torch.autograd.Function):
     """(logp [N], entropy [N] or None); saves x, W, y and lse [N] only."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, temperature, chunk_size, backend, want_entropy):
-        n = x.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=x.device)
-        entropy = torch.empty(n, dtype=torch.float32, device=x.device) if want_entropy else None
-        lse = torch.empty(n, dtype=torch.float32, device=x.device)
-        # The triton forward holds no [C, V] block, so it takes all rows in one launch.
-        step = n if backend == "triton" else chunk_size
-        for start in range(0, n, max(step, 1)):
-            rows = slice(start, start + step)
-            lp, ls, ent = _chunk_stats(x[rows], weight, targets[rows], temperature, want_entropy, backend)
-            logp[rows], lse[rows] = lp, ls
-            if want_entropy:
-                entropy[rows] = ent
+        logp, lse, entropy = _forward_stats(x, weight, targets, temperature, chunk_size, backend,
+                                            want_entropy)
         ctx.save_for_backward(x, weight, targets, lse)
         ctx.settings = (temperature, chunk_size, backend)
         if want_entropy:
@@ -333,6 +364,21 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
             x_c, y_c = x[rows], targets[rows]
+            if backend == "cublas":
+                # cuBLAS logits, one Triton pass (statistics, dloss/dlogp, G over the logits), cuBLAS dx
+                from . import cublas_logprobs
+                z = cublas_logprobs.chunk_logits(x_c, weight)               # [C, V] fp32, raw
+                ref_c = ref_logp[rows] if ref_logp is not None else None
+                lp, _, ent, _, g = cublas_logprobs.grpo_in_place(
+                    z, y_c, old_logp[rows], ref_c, advantages[rows], token_weights[rows], eps_low,
+                    eps_high, beta, temperature, want_entropy, x.dtype)
+                logp[rows] = lp
+                if want_entropy:
+                    entropy[rows] = ent
+                if need_dx or need_dw:
+                    grads.add(rows, x_c, g)
+                del z, g     # the next chunk's logits reuse this block
+                continue
             if backend == "torch":
                 # one logits matmul serves the statistics and the gradient
                 z = _chunk_logits(x_c, weight, temperature)            # [C, V] fp32
@@ -363,6 +409,10 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
                 grads.add(rows, x_c, g)
                 del g
             probs = stored = None    # free this chunk's [C, V] block before the next one is made
+        if backend == "cublas":      # the kernel made dloss/dlogp; the loss value from all log-probs
+            per_token, _, _ = grpo.token_loss(logp, old_logp, ref_logp, advantages, eps_low, eps_high,
+                                              beta, mask=token_weights)
+            loss = (token_weights * per_token).sum()
         dx, dw = grads.result()
         ctx.save_for_backward(dx, dw)
         ctx.mark_non_differentiable(*([logp, entropy] if want_entropy else [logp]))

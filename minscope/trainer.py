@@ -44,6 +44,7 @@ class UpdateConfig:
     grad_clip: float = 1.0
     temperature: float = 1.0     # the sampling temperature the tokens were drawn with
     weight_decay: float = 0.1
+    logprob_backend: str = "auto"   # LM-head kernels: auto | torch | triton | cublas (see logprobs)
 
 
 def make_optimizer(model, adapter: str, cfg: UpdateConfig):
@@ -52,11 +53,12 @@ def make_optimizer(model, adapter: str, cfg: UpdateConfig):
     return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.98), weight_decay=cfg.weight_decay)
 
 
-def sequence_logprobs(model, input_ids, attention_mask, temperature: float, adapter):
+def sequence_logprobs(model, input_ids, attention_mask, temperature: float, adapter, backend: str = "auto"):
     """Log-probs [B, T-1] of each next token under `adapter` (None: the base model)."""
     with use_adapter(model, adapter):
         hidden = final_hidden_states(model, input_ids, attention_mask)[:, :-1]   # [B, T-1, H]
-        return token_logprobs(hidden, output_embedding(model), input_ids[:, 1:], temperature=temperature)
+        return token_logprobs(hidden, output_embedding(model), input_ids[:, 1:], temperature=temperature,
+                              backend=backend)
 
 
 def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: torch.Tensor,
@@ -76,7 +78,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     if cfg.beta:   # the reference model = the base with adapters disabled (micro-batched too)
         with torch.no_grad():
             ref = torch.cat([sequence_logprobs(model, ids[s:s + cfg.micro_batch], attn[s:s + cfg.micro_batch],
-                                               cfg.temperature, adapter=None)
+                                               cfg.temperature, adapter=None, backend=cfg.logprob_backend)
                              for s in range(0, ids.shape[0], cfg.micro_batch)])
     # this adapter's parameters, kept as a list: peft flips requires_grad whenever the active
     # adapter changes (use_adapter restores the model's default on exit), so it cannot tell
@@ -98,7 +100,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
                 # weights already hold the batch normaliser; logp and ent come back detached
                 loss, logp, ent = fused_grpo_token_loss(
                     hidden, output_embedding(model), ids[sl, 1:], old[sl], ref_sl, adv_tok, weights[sl],
-                    cfg.eps_low, cfg.eps_high, cfg.beta, cfg.temperature)
+                    cfg.eps_low, cfg.eps_high, cfg.beta, cfg.temperature, backend=cfg.logprob_backend)
                 # backward inside the block: with activation checkpointing the layers are
                 # recomputed now, and must see the same adapter as in the forward pass
                 loss.backward()

@@ -261,3 +261,28 @@ def test_mismatched_shapes_raise():
         token_logprobs(hidden, weight[:, :5], targets, backend="torch")
     with pytest.raises(ValueError, match="leading shape"):
         token_logprobs(hidden, weight, targets[:3], backend="torch")
+
+
+def test_forward_only_logprobs_build_no_autograd_node(monkeypatch):
+    """Under no_grad (evaluation, reference log-probs) the chunks run without the autograd
+    Function, so nothing is saved for a backward pass; the values are the same."""
+    from minscope import logprobs as lp_module
+
+    hidden, weight, targets = make_inputs(37, 16, 300)
+    with_grad, entropy = token_logprobs(hidden, weight, targets, 0.7, return_entropy=True, chunk_size=8,
+                                        backend="torch")
+
+    def refuse(*args):
+        raise AssertionError("the forward-only path went through the autograd Function")
+
+    monkeypatch.setattr(lp_module._ChunkedTokenLogProbs, "apply", refuse)
+    with torch.no_grad():
+        logp, ent = token_logprobs(hidden, weight, targets, 0.7, return_entropy=True, chunk_size=8,
+                                   backend="torch")
+    frozen = token_logprobs(hidden.detach(), weight, targets, 0.7, chunk_size=8, backend="torch")
+    assert logp.grad_fn is None and frozen.grad_fn is None
+    torch.testing.assert_close(logp, with_grad.detach(), atol=0, rtol=0)
+    torch.testing.assert_close(frozen, with_grad.detach(), atol=0, rtol=0)
+    torch.testing.assert_close(ent, entropy, atol=0, rtol=0)
+    with pytest.raises(AssertionError, match="autograd Function"):     # and with a gradient it does
+        token_logprobs(hidden, weight, targets, chunk_size=8, backend="torch")
