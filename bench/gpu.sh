@@ -5,7 +5,9 @@
 #   1. the Triton kernels' tests: the numeric checks on the compiled kernels on the GPU,
 #      the ahead-of-time compile checks, and the log-prob tests;
 #   2. bench/logprobs.py at the reference shapes (N=16,384 x H=2,048 and 4,096 x 1,024,
-#      bf16, V=151,936), with TRL and Liger when they are installed;
+#      bf16, V=151,936): minscope's triton and cublas paths, forward + backward and forward
+#      only, against cuBLAS's bounds, the naive path, TRL's ChunkedLogProbFunction and Liger's
+#      LigerFusedLinearGRPOLoss (a peer that does not import gets a row saying why);
 #   3. bench/memory.py: one Population Co-Training step at Qwen3-1.7B then 0.6B shapes, the
 #      target configuration first, then a plain HF QLoRA step for contrast, then each
 #      memory feature turned off in turn;
@@ -17,13 +19,18 @@
 #      memory step, already measured, takes what is left).
 #
 # Usage:  bash bench/gpu.sh [OUT_DIR]        (default: runs/gpu-YYYYMMDD)
+#   GPU_STEPS     which steps, comma-separated (default tests,step,logprobs,memory,tiles);
+#                 e.g. GPU_STEPS=tests,logprobs for the log-prob kernels alone.
+#   LOGPROBS_CAP_S  the log-prob step's cap (default 180 s; give it ~400 when it runs alone).
 #   GPU_BUDGET_S  seconds for all five steps (default 540, so that one run fits a
 #                 10-minute command with room to start); each step gets at most its own
 #                 cap and what is left; the benchmarks save their JSON after every
 #                 measurement, so a step cut short keeps what it measured.
 #   PYTHON        the interpreter (default python3).
-#   .whl/*.whl    wheels installed first, if present (e.g. bitsandbytes on a machine
-#                 without it); without bitsandbytes every 4-bit configuration is skipped.
+#   .whl/*.whl    wheels installed first, one by one with --no-deps, if present: TRL,
+#                 liger-kernel and TRL's small dependencies (datasets, dill, multiprocess,
+#                 xxhash; a wheel for another Python version is skipped), bitsandbytes on a
+#                 machine without it (without it every 4-bit configuration is skipped).
 # Writes 10 files: gpu.txt (the GPU, driver, versions), tests.txt, tiles.{md,json},
 # logprobs.{md,json}, memory.{md,json}, step.{md,json}. Each step runs even if an earlier one failed; the
 # exit status is that of the first failure.
@@ -37,13 +44,20 @@ deadline=$(( $(date +%s) + ${GPU_BUDGET_S:-540} ))
 status=0
 
 if ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/minscope-site .whl/*.whl \
-        && export PYTHONPATH=/tmp/minscope-site${PYTHONPATH:+:$PYTHONPATH}
+    # one at a time: a wheel built for another Python version fails alone, not the whole lot
+    for whl in .whl/*.whl; do
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/minscope-site "$whl" >/dev/null 2>&1 \
+            && echo "installed $(basename "$whl")" || echo "skipped $(basename "$whl") (not for this Python)"
+    done
+    export PYTHONPATH=/tmp/minscope-site${PYTHONPATH:+:$PYTHONPATH}
 fi
+steps=",${GPU_STEPS:-tests,step,logprobs,memory,tiles},"
 
-step() {   # step NAME FILE CAP_SECONDS COMMAND...: run within min(CAP, time left), keep its output
-    local name=$1 file=$2 cap=$3
-    shift 3
+step() {   # step KEY NAME FILE CAP_SECONDS COMMAND...: run within min(CAP, time left), keep its output
+    local key=$1 name=$2 file=$3 cap=$4
+    shift 4
+    case "$steps" in *",$key,"*) ;; *) return ;; esac
     local left=$(( deadline - $(date +%s) ))
     [ "$left" -lt "$cap" ] && cap=$left
     echo "== $name (at most ${cap} s)"
@@ -63,21 +77,26 @@ step() {   # step NAME FILE CAP_SECONDS COMMAND...: run within min(CAP, time lef
 {
     date -u +"%Y-%m-%d %H:%M UTC"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    "$PY" -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__)"
+    "$PY" -c "import sys, torch, triton, transformers, peft; print('python', sys.version.split()[0], '| torch', torch.__version__, 'cuda', torch.version.cuda, '| triton', triton.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__)"
+    "$PY" -c "
+from importlib import metadata
+for d in ('trl', 'liger-kernel', 'datasets', 'pyarrow'):
+    try: print(d, metadata.version(d))
+    except metadata.PackageNotFoundError: print(d, 'missing')" | paste -sd' ' -
     "$PY" -c "import bitsandbytes; print('bitsandbytes', bitsandbytes.__version__)" \
         || echo "bitsandbytes missing: the 4-bit configurations of bench/memory.py will be skipped"
 } 2>&1 | tee "$out/gpu.txt"
 
-step "Triton kernels and log-prob tests" tests.txt 120 \
-    "$PY" -m pytest -q -rs tests/test_triton_logprobs.py tests/test_logprobs.py
-step "bench/step.py" step.md 200 \
+step tests "Triton kernels and log-prob tests" tests.txt 120 \
+    "$PY" -m pytest -q -rs tests/test_triton_logprobs.py tests/test_cublas_logprobs.py tests/test_logprobs.py
+step step "bench/step.py" step.md 200 \
     "$PY" bench/step.py --device cuda --shapes 1.7b --load-in-4bit --methods population --json "$out/step.json"
-step "bench/logprobs.py" logprobs.md 180 \
+step logprobs "bench/logprobs.py" logprobs.md "${LOGPROBS_CAP_S:-180}" \
     "$PY" bench/logprobs.py --device cuda --timeout 90 --json "$out/logprobs.json"
 # The memory step leaves 60 s for the tile sweep; its configurations run target-first.
-step "bench/memory.py" memory.md $(( deadline - $(date +%s) - 60 )) \
+step memory "bench/memory.py" memory.md $(( deadline - $(date +%s) - 60 )) \
     "$PY" bench/memory.py --device cuda --repeats 1 --timeout 120 --json "$out/memory.json" \
     --configs all,hf-qlora,naive-logprobs,bf16-base,no-checkpointing,no-micro-batching
-step "bench/tiles.py" tiles.md 120 "$PY" bench/tiles.py --json "$out/tiles.json"
+step tiles "bench/tiles.py" tiles.md 120 "$PY" bench/tiles.py --json "$out/tiles.json"
 echo "results in $out"
 exit $status

@@ -1,26 +1,44 @@
 """Benchmark: per-token log-probs through the LM head at Qwen3's vocabulary (V = 151,936).
 
-Each method runs forward + backward w.r.t. the hidden states with the LM head frozen (as
-in LoRA training):
+minscope's methods, the peers a user would pick instead, and cuBLAS's bounds, in one run,
+each in a fresh process. Forward + backward w.r.t. the hidden states, LM head frozen (as in
+LoRA training):
 
+  bound-2mm    cuBLAS's two matmuls per chunk of --chunk-size rows, logits (x @ W.T) then
+               dx (logits @ W), nothing in between: the bound for any chunked GRPO path
   naive        log_softmax(h @ W.T / T).gather(...), plain autograd (several [N, V] tensors)
   torch        minscope.logprobs.token_logprobs(backend="torch"), chunks of --chunk-size rows
-  triton       minscope.logprobs.token_logprobs(backend="triton")               (CUDA only)
+  triton       minscope.logprobs.token_logprobs(backend="triton")                    (CUDA)
+  cublas       minscope.logprobs.token_logprobs(backend="cublas")                    (CUDA)
   grpo-torch   minscope.logprobs.fused_grpo_token_loss(backend="torch")
-  grpo-triton  minscope.logprobs.fused_grpo_token_loss(backend="triton")        (CUDA only)
-  trl          trl.kernels.ChunkedLogProbFunction, vocab chunks of --trl-vocab-chunk
-               (when trl imports)
-  liger-grpo   liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss, loss_type="bnpo", one
-               sequence of --seq-len tokens per chunk (its default); torch.compile on CUDA
-               only (when liger_kernel imports)
+  grpo-triton  minscope.logprobs.fused_grpo_token_loss(backend="triton")             (CUDA)
+  grpo-cublas  minscope.logprobs.fused_grpo_token_loss(backend="cublas")             (CUDA)
+  trl          TRL's trl.kernels.chunked_logprob.ChunkedLogProbFunction, vocab chunks of
+               --trl-vocab-chunk (peer; when trl imports)
+  liger-grpo   Liger's liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss, loss_type="bnpo",
+               one sequence of --seq-len tokens per chunk (its default); torch.compile on
+               CUDA only (peer; when liger_kernel imports)
 
+Forward only (evaluation, reference log-probs), under torch.no_grad():
+
+  bound-logits cuBLAS's logits matmul per chunk, nothing else: the forward bound
+  fwd-naive, fwd-torch, fwd-triton, fwd-cublas, fwd-trl   the methods above, no backward
+
+(CUDA): run only on a GPU, or on CPU with TRITON_INTERPRET=1 (the interpreter; slow, for
+tests). A peer that does not import is reported in its row with the reason, never dropped.
 The log-prob methods backpropagate sum(c * logp) for a fixed random c; the GRPO methods
 backpropagate the token-mean GRPO loss (clipping active, beta = 0.04). Columns:
 
   time        median wall time of --repeats calls after --warmup calls
+  x bound     time / bound-2mm's (forward + backward rows) or / bound-logits's (forward rows)
   extra peak  memory the call needed beyond its inputs (see below)
   max|dlogp|  max abs error of the log-probs   } against an fp32 reference computed with
   max|dgrad|  max abs error of d loss / d h    } plain autograd, row block by row block
+  |dloss|     abs error of the GRPO loss       }
+
+The header says where the Triton kernels' tile and launch settings come from: measured (the
+H200 sweep of bench/tiles.py, bf16) or UNMEASURED (fp32, consumer sm_86 / sm_89 GPUs, and the
+cublas row pass everywhere).
 
 How memory is measured. Every method runs in a fresh subprocess, so nothing one method
 cached can flatter or hurt another.
@@ -39,6 +57,8 @@ Examples:
   python bench/logprobs.py                               # CPU: N=1024, H=1024, fp32, chunk 64
   python bench/logprobs.py --device cuda                 # the two issue shapes in bf16
   python bench/logprobs.py --shapes 4096x1024 --methods naive torch triton --json out.json
+  TRITON_INTERPRET=1 python bench/logprobs.py --device cpu --shapes 64x32 --vocab 500 \
+      --chunk-size 16 --methods bound-2mm naive grpo-cublas trl     # the script's logic on CPU
 """
 
 from __future__ import annotations
@@ -60,9 +80,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/logprobs.py
 from minscope import grpo, logprobs  # noqa: E402
 
-METHODS = ["naive", "torch", "triton", "grpo-torch", "grpo-triton", "trl", "liger-grpo"]
-CUDA_ONLY = {"triton", "grpo-triton"}
-OPTIONAL = {"trl": "trl.kernels.chunked_logprob", "liger-grpo": "liger_kernel.chunked_loss"}
+# In this order by default: each bound before the rows it divides, then what decides the
+# trainer's default and the peers, minscope's PyTorch paths last (a run cut short keeps the rest).
+METHODS = ["bound-2mm", "grpo-cublas", "grpo-triton", "naive", "trl", "liger-grpo",
+           "bound-logits", "fwd-cublas", "fwd-triton", "fwd-trl", "fwd-naive",
+           "cublas", "triton", "grpo-torch", "torch", "fwd-torch"]
+CUDA_ONLY = {"triton", "cublas", "grpo-triton", "grpo-cublas", "fwd-triton", "fwd-cublas"}   # or the interpreter
+FORWARD_ONLY = {m for m in METHODS if m.startswith("fwd-")} | {"bound-logits"}
+# The modules each peer needs: TRL's backward imports trl.trainer.utils, which imports datasets
+# (and so pyarrow, xxhash, dill, multiprocess); its forward does not.
+OPTIONAL = {"trl": ("trl.kernels.chunked_logprob", "trl.trainer.utils"),
+            "fwd-trl": ("trl.kernels.chunked_logprob",),
+            "liger-grpo": ("liger_kernel.chunked_loss",)}
+PEER_WHEELS = ("trl", "liger-kernel", "datasets", "pyarrow")       # versions in the header
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 
 
@@ -163,19 +193,48 @@ def build_method(name, inp, ref, args):
     def leaf():
         return h.detach().requires_grad_(True)
 
-    if name == "naive":
+    chunks = [slice(s, s + args.chunk_size) for s in range(0, n, args.chunk_size)]
+    if name == "bound-2mm":       # cuBLAS alone: logits, then a matmul of the same shape as dx
+        def run():
+            dh = torch.empty_like(h)
+            for rows in chunks:
+                dh[rows] = (h[rows] @ w.T) @ w
+            return None, None, dh
+    elif name == "bound-logits":
+        def run():
+            with torch.no_grad():
+                for rows in chunks:
+                    h[rows] @ w.T
+            return None, None, None
+    elif name == "fwd-naive":
+        def run():
+            with torch.no_grad():
+                return torch.log_softmax(h @ w.T / T, -1).gather(1, y[:, None]).squeeze(1), None, None
+    elif name in ("fwd-torch", "fwd-triton", "fwd-cublas"):
+        def run():
+            with torch.no_grad():
+                lp = logprobs.token_logprobs(h, w, y, T, chunk_size=args.chunk_size, backend=name[4:])
+            return lp, None, None
+    elif name == "fwd-trl":
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+        def run():
+            with torch.no_grad():
+                lp = ChunkedLogProbFunction.apply(h, w, None, y, T, args.trl_vocab_chunk, None, 1.0, ())[0]
+            return lp, None, None
+    elif name == "naive":
         def run():
             x = leaf()
             lp = torch.log_softmax(x @ w.T / T, -1).gather(1, y[:, None]).squeeze(1)
             (dh,) = torch.autograd.grad((inp["cot"] * lp).sum(), x)
             return lp.detach(), None, dh
-    elif name in ("torch", "triton"):
+    elif name in ("torch", "triton", "cublas"):
         def run():
             x = leaf()
             lp = logprobs.token_logprobs(x, w, y, T, chunk_size=args.chunk_size, backend=name)
             (dh,) = torch.autograd.grad((inp["cot"] * lp).sum(), x)
             return lp.detach(), None, dh
-    elif name in ("grpo-torch", "grpo-triton"):
+    elif name in ("grpo-torch", "grpo-triton", "grpo-cublas"):
         backend = name.split("-")[1]
 
         def run():
@@ -245,7 +304,7 @@ def run_worker(args):
 
     # One call at a tiny shape first: lazy imports, thread pools and kernel caches are
     # set up before the baseline is read, so they do not count as the method's memory.
-    tiny = make_inputs(2 * args.seq_len, h, 1000, dtype, device, args.seq_len)
+    tiny = make_inputs(2 * args.seq_len, h, min(1000, args.vocab), dtype, device, args.seq_len)
     tiny_n = 2 * args.seq_len
     zeros = torch.zeros(tiny_n, device=device)
     build_method(args.worker, tiny, dict(old=zeros, ref=zeros), args)()
@@ -277,12 +336,16 @@ def run_worker(args):
         times.append(time.perf_counter() - t0)
 
     grpo = loss is not None
+    bound = args.worker.startswith("bound-")
+    what = ("logits matmul only" if args.worker == "bound-logits" else "two matmuls, no softmax" if bound
+            else "forward only" if args.worker in FORWARD_ONLY else "grpo loss" if grpo else "sum(c*logp)")
     out = dict(method=args.worker, time_s=statistics.median(times), times_s=times,
                extra_peak_bytes=int(extra_peak),
                err_logp=(logp.float() - ref["logp"]).abs().max().item() if logp is not None else None,
-               err_grad=(dh.float() - (ref["dh_grpo"] if grpo else ref["dh"])).abs().max().item(),
+               err_grad=(dh.float() - (ref["dh_grpo"] if grpo else ref["dh"])).abs().max().item()
+               if dh is not None and not bound else None,
                err_loss=abs(loss.item() - ref["loss"].item()) if grpo else None,
-               grad_of="grpo loss" if grpo else "sum(c*logp)")
+               grad_of=what)
     print(json.dumps(out))
 
 
@@ -305,21 +368,61 @@ def run_subprocess(args, extra, timeout):
 
 def run_reference_worker(args):
     n, h = (int(s) for s in args.shape.split("x"))
-    inp = make_inputs(n, h, args.vocab, getattr(torch, args.dtype), torch.device(args.device), args.seq_len)
+    dtype = getattr(torch, args.dtype)
+    inp = make_inputs(n, h, args.vocab, dtype, torch.device(args.device), args.seq_len)
     ref = reference(inp, args.temperature)
     torch.save({k: v.cpu() for k, v in ref.items()}, args.reference_file)
-    print(json.dumps({"ok": True}))
+    print(json.dumps({"ok": True, "settings": kernel_settings(args.device, dtype)}))
+
+
+def kernel_settings(device, dtype) -> list:
+    """Lines for the header: the GPU, and where each Triton kernel's tile settings come from."""
+    if device != "cuda":
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        return ["CPU" + (": Triton kernels in the interpreter (times say nothing about a GPU)" if interp else "")]
+    props = torch.cuda.get_device_properties(0)
+    lines = [f"{props.name}, sm_{props.major}{props.minor}, torch {torch.__version__}"]
+    if logprobs.triton_available():
+        import triton
+
+        from minscope import cublas_logprobs, triton_logprobs
+        shared = getattr(props, "shared_memory_per_block_optin", 0)
+        lines += [f"triton {triton.__version__}; " + triton_logprobs.tile_config_note(shared, dtype),
+                  cublas_logprobs.LAUNCH_NOTE]
+    return lines
+
+
+def peer_versions() -> dict:
+    """{wheel: version or None} of the peers, without importing them."""
+    from importlib import metadata
+    out = {}
+    for dist in PEER_WHEELS:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+_IMPORT_ERRORS: dict = {}
 
 
 def unavailable(method, args):
-    """Why `method` cannot run here, or None."""
-    if method in CUDA_ONLY and args.device != "cuda":
-        return "CUDA only"
-    if method in OPTIONAL:
-        import importlib.util
-        root = OPTIONAL[method].split(".")[0]
-        if importlib.util.find_spec(root) is None:
-            return f"{root} not installed"
+    """Why `method` cannot run here, or None. Peers are imported here once to find out."""
+    if method in CUDA_ONLY and args.device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "CUDA only (or TRITON_INTERPRET=1 on CPU)"
+    for module in OPTIONAL.get(method, ()):
+        if module not in _IMPORT_ERRORS:
+            import importlib
+            try:
+                importlib.import_module(module)
+                _IMPORT_ERRORS[module] = None
+            except Exception as exc:      # not installed, or a dependency missing
+                first = (str(exc).splitlines() or [""])[0][:100]
+                _IMPORT_ERRORS[module] = (f"cannot import {module} ({type(exc).__name__}: {first}); "
+                                          "pip install it, or put the wheels in .whl/ for bench/gpu.sh")
+        if _IMPORT_ERRORS[module]:
+            return _IMPORT_ERRORS[module]
     return None
 
 
@@ -337,6 +440,33 @@ def fmt_err(e):
     return "-" if e is None else f"{e:.1e}"
 
 
+def bound_of(method):
+    return "bound-logits" if method in FORWARD_ONLY else "bound-2mm"
+
+
+def target_lines(by_method) -> list:
+    """The issue's targets, checked on this run's rows (only those that were measured)."""
+    lines = []
+    peers = [m for m in ("naive", "trl", "liger-grpo") if m in by_method]
+    for m in ("grpo-triton", "grpo-cublas"):
+        if m not in by_method:
+            continue
+        r = by_method[m]
+        parts = [f"{r['time_s'] * 1e3:.1f} ms", f"extra {fmt_bytes(r['extra_peak_bytes'])}"
+                 + (" (<= 1 GB)" if r["extra_peak_bytes"] <= 2**30 else " (> 1 GB)")]
+        if "bound-2mm" in by_method:
+            parts.append(f"{r['time_s'] / by_method['bound-2mm']['time_s']:.2f}x the two-matmul bound")
+        slower = [p for p in peers if by_method[p]["time_s"] <= r["time_s"]]
+        if peers:
+            parts.append("faster than every peer measured" if not slower else "slower than " + ", ".join(slower))
+        lines.append(f"  {m}: " + "; ".join(parts))
+    for m in ("fwd-triton", "fwd-cublas"):
+        if m in by_method and "bound-logits" in by_method:
+            ratio = by_method[m]["time_s"] / by_method["bound-logits"]["time_s"]
+            lines.append(f"  {m}: {ratio:.2f}x cuBLAS's logits matmul (target <= 1.1x)")
+    return lines
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker == "reference":
@@ -345,39 +475,56 @@ def main(argv=None):
         return run_worker(args)
 
     results = []
+    args.peers = peer_versions()
     for shape in args.shapes:
         n, h = (int(s) for s in shape.split("x"))
         print(f"\nLM-head log-probs, forward + backward w.r.t. hidden, head frozen: N={n:,} H={h:,} "
               f"V={args.vocab:,} {args.dtype} on {args.device}; minscope chunk {args.chunk_size} rows")
         with tempfile.TemporaryDirectory() as tmp:
             ref_file = os.path.join(tmp, "reference.pt")
-            _, err = run_subprocess(args, ["--worker", "reference", "--shape", shape,
-                                           "--reference-file", ref_file], args.timeout)
+            info, err = run_subprocess(args, ["--worker", "reference", "--shape", shape,
+                                              "--reference-file", ref_file], args.timeout)
             if err:
                 print(f"reference failed: {err}")
                 continue
-            print(f"{'method':<12} {'time':>10} {'extra peak':>11} {'max|dlogp|':>11} "
-                  f"{'max|dgrad|':>11}  gradient of")
+            for line in info.get("settings", []):
+                print(f"  {line}")
+            print("  peers: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in peer_versions().items()))
+            args.settings = info.get("settings", [])
+            print(f"{'method':<12} {'time':>10} {'x bound':>8} {'extra peak':>11} {'max|dlogp|':>11} "
+                  f"{'max|dgrad|':>11} {'|dloss|':>8}  what")
+            timed = {}
             for method in args.methods:
                 why = unavailable(method, args)
                 res, err = (None, why) if why else run_subprocess(
                     args, ["--worker", method, "--shape", shape, "--reference-file", ref_file], args.timeout)
                 if res is None:
-                    print(f"{method:<12} {'skipped: ' + err}")
-                    results.append(dict(method=method, shape=shape, skipped=err))
+                    label = "unavailable" if why else "failed"
+                    print(f"{method:<12} {label}: {err}")
+                    results.append(dict(method=method, shape=shape, skipped=err, reason=label))
+                    write_json(args, results)
                     continue
                 res.update(shape=shape, n=n, h=h, vocab=args.vocab, dtype=args.dtype, device=args.device,
                            chunk_size=args.chunk_size)
+                bound = timed.get(bound_of(method))
+                res["x_bound"] = res["time_s"] / bound if bound and not method.startswith("bound-") else None
+                timed[method] = res["time_s"]
                 results.append(res)
-                print(f"{method:<12} {res['time_s'] * 1e3:>8.1f}ms {fmt_bytes(res['extra_peak_bytes']):>11} "
-                      f"{fmt_err(res['err_logp']):>11} {fmt_err(res['err_grad']):>11}  {res['grad_of']}")
+                ratio = "-" if res["x_bound"] is None else f"{res['x_bound']:.2f}x"
+                print(f"{method:<12} {res['time_s'] * 1e3:>8.1f}ms {ratio:>8} {fmt_bytes(res['extra_peak_bytes']):>11} "
+                      f"{fmt_err(res['err_logp']):>11} {fmt_err(res['err_grad']):>11} "
+                      f"{fmt_err(res['err_loss']):>8}  {res['grad_of']}")
                 write_json(args, results)          # after every method: a killed run keeps what it measured
         by_method = {r["method"]: r for r in results if r.get("shape") == shape and "skipped" not in r}
-        if "naive" in by_method:
+        if "naive" in by_method and by_method["naive"]["extra_peak_bytes"] > 0:
             naive_peak = by_method["naive"]["extra_peak_bytes"]
-            for m in ("torch", "triton", "grpo-torch", "grpo-triton"):
+            for m in ("torch", "triton", "cublas", "grpo-torch", "grpo-triton", "grpo-cublas"):
                 if m in by_method and by_method[m]["extra_peak_bytes"] > 0:
                     print(f"  naive extra peak / {m}: {naive_peak / by_method[m]['extra_peak_bytes']:.1f}x")
+        lines = target_lines(by_method)
+        if lines:
+            print("targets of the fused kernels, on this shape:")
+            print("\n".join(lines))
     if args.json:
         write_json(args, results)
         print(f"\nwrote {args.json}")

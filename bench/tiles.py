@@ -74,6 +74,9 @@ def sweep(args) -> dict:
     out = {"shape": dict(tokens=args.tokens, hidden=args.hidden, vocab=args.vocab, dtype=args.dtype),
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "default": tl.kernel_config(device, dtype),
+           "default_source": tl.tile_config_note(
+               getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+               if device.type == "cuda" else 0, dtype),
            "matmul_ms": {"logits (x @ W.T)": timed(lambda: x @ w.T, device, **reps),
                          "dx (G @ W)": timed(lambda g=logits: g @ w, device, **reps)}}
     del logits   # [N, V]: 0.3 GB at the default shape
@@ -101,6 +104,7 @@ def sweep(args) -> dict:
 def report(res: dict) -> str:
     s = res["shape"]
     lines = [f"{res['device']}: {s['tokens']} tokens x H={s['hidden']} x V={s['vocab']}, {s['dtype']}",
+             "default config: " + res["default_source"],
              "cuBLAS: " + ", ".join(f"{k} {v:.3f} ms" for k, v in res["matmul_ms"].items())]
     bound = {"stats": res["matmul_ms"]["logits (x @ W.T)"], "dx": res["matmul_ms"]["dx (G @ W)"]}
     tol = TOLERANCE[s["dtype"]]

@@ -280,6 +280,9 @@ def tile_config(shared_memory_bytes: int, dtype: torch.dtype) -> dict:
     # holds a [dx_block_n, dx_block_v] tile of p and a [dx_block_v, dx_block_h] tile of W
     # (40 KB at 64 x 64 x 256); dx_block_v must divide block_v (one tile max per row and step).
     big = shared_memory_bytes >= 160 * 1024
+    # Measured: only the bf16 sizes for >= 160 KB (H200 sweep). The fp32 sizes and everything
+    # below 160 KB (consumer sm_86 / sm_89 GPUs, ~100 KB per block) are chosen by shared memory
+    # and NEVER MEASURED on such a GPU; `tile_config_note` says so in the benchmarks' output.
     if dtype == torch.float32:
         rows = 128 if big else 64
         return dict(block_n=rows, block_v=128, block_h=32, num_warps=8, num_stages=3,
@@ -289,6 +292,16 @@ def tile_config(shared_memory_bytes: int, dtype: torch.dtype) -> dict:
                     dx_block_n=64, dx_block_v=64, dx_block_h=256, dx_num_warps=8, dx_num_stages=3)
     return dict(block_n=64, block_v=128, block_h=64, num_warps=8, num_stages=3,
                 dx_block_n=64, dx_block_v=64, dx_block_h=128, dx_num_warps=8, dx_num_stages=3)
+
+
+def tile_config_note(shared_memory_bytes: int, dtype: torch.dtype) -> str:
+    """One line for benchmark output: where `tile_config`'s choice for this GPU comes from."""
+    if shared_memory_bytes == 0:
+        return "triton tiles: the small ones used off CUDA (interpreter); no GPU here"
+    if shared_memory_bytes >= 160 * 1024 and dtype != torch.float32:
+        return "triton tiles: measured (bench/tiles.py sweep on an H200)"
+    kind = "fp32" if dtype == torch.float32 else f"{shared_memory_bytes // 1024} KB shared memory (consumer GPUs: sm_86, sm_89)"
+    return f"triton tiles: UNMEASURED for {kind}, chosen by shared memory only"
 
 
 def kernel_config(device: torch.device, dtype: torch.dtype) -> dict:

@@ -34,3 +34,27 @@ def test_step_benchmark_compares_the_kept_cache_with_re_prefilling(tmp_path):
     assert rows["kept"]["generated"] == rows["reprefill"]["generated"] == 2 * 2 * 3 * 2 * 6
     assert rows["kept"]["prefilled"] < 0.7 * rows["reprefill"]["prefilled"]
     assert "re-prefilled (" in run.stdout and "% fewer)" in run.stdout
+
+
+def test_logprob_benchmark_runs_new_path_and_reports_missing_peers(tmp_path):
+    """bench/logprobs.py on CPU at a tiny shape: the cublas GRPO path through Triton's
+    interpreter, cuBLAS's bound, and a row for every peer, measured or saying why not."""
+    import json
+
+    out = tmp_path / "logprobs.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, str(BENCH / "logprobs.py"), "--device", "cpu", "--shapes", "32x16",
+                          "--vocab", "64", "--chunk-size", "16", "--seq-len", "8",
+                          "--methods", "bound-2mm", "grpo-cublas", "trl", "liger-grpo", "--json", str(out)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-1500:]
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"bound-2mm", "grpo-cublas", "trl", "liger-grpo"}
+    new = rows["grpo-cublas"]
+    assert new["err_logp"] < 1e-3 and new["err_grad"] < 1e-3 and new["err_loss"] < 1e-3
+    assert new["x_bound"] > 0 and rows["bound-2mm"]["err_grad"] is None
+    for peer in ("trl", "liger-grpo"):      # measured here, or a row that says why not
+        assert "time_s" in rows[peer] or rows[peer]["skipped"], peer
+        line = next(ln for ln in run.stdout.splitlines() if ln.startswith(peer))
+        assert "ms" in line or "unavailable: cannot import" in line or "failed:" in line
+    assert "Triton kernels in the interpreter" in run.stdout
