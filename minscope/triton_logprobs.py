@@ -300,7 +300,8 @@ def tile_config_note(shared_memory_bytes: int, dtype: torch.dtype) -> str:
         return "triton tiles: the small ones used off CUDA (interpreter); no GPU here"
     if shared_memory_bytes >= 160 * 1024 and dtype != torch.float32:
         return "triton tiles: measured (bench/tiles.py sweep on an H200)"
-    kind = "fp32" if dtype == torch.float32 else f"{shared_memory_bytes // 1024} KB shared memory (consumer GPUs: sm_86, sm_89)"
+    kind = ("fp32" if dtype == torch.float32
+            else f"{shared_memory_bytes // 1024} KB shared memory (consumer GPUs: sm_86, sm_89)")
     return f"triton tiles: UNMEASURED for {kind}, chosen by shared memory only"
 
 
