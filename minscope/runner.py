@@ -123,7 +123,8 @@ def eval_tasks(env) -> tuple[list, str]:
     tasks = env.tasks("test")
     if tasks:
         return tasks, "test"
-    print(f"warning: {env.name} has no test tasks (the corpus is too small to split); "
+    why = getattr(env, "no_test_reason", "the corpus is too small to split")
+    print(f"warning: {env.name} has no test tasks ({why}); "
           "evaluating on the TRAINING tasks instead, so evaluation numbers are not held out",
           file=sys.stderr)
     return env.tasks("train"), "train"

@@ -361,6 +361,7 @@ class CooperBenchEnv(Environment):
         test = self._pairs(test_subset) if test_subset else []
         held_out = set(test)
         self.splits = {"train": [t for t in self._pairs(subset) if t not in held_out], "test": test}
+        self.no_test_reason = "no --test-subset was given"      # (runner.eval_tasks' warning)
         self._root: Path | None = None
         self._tools = TOOLS + ([BASH_TOOL] if bash else [])
 
