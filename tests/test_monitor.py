@@ -17,7 +17,11 @@ def evaluation(step, panel, real=None, mode=None):
     return rec
 
 
-def run(records, cfg=None):
+# the thresholds these synthetic curves are written for (the defaults were chosen on the toy's)
+SYNTH = MonitorConfig(entropy_frac=0.5, zero_var=0.5)
+
+
+def run(records, cfg=SYNTH):
     mon, alarms = CollapseMonitor(cfg), []
     for r in records:
         alarms += mon.on_record(r)
@@ -65,7 +69,7 @@ def test_a_healthy_run_raises_none():
 
 def test_thresholds_are_settings():
     recs = healthy_run()
-    assert run(recs, MonitorConfig(mode_prob=0.5))[1][0]["signal"] == "mode_prob"
+    assert run(recs, MonitorConfig(entropy_frac=0.5, zero_var=0.5, mode_prob=0.5))[1][0]["signal"] == "mode_prob"
     assert {a["signal"] for a in run(collapsing_run(), MonitorConfig(entropy_frac=0.1, zero_var=0.95,
                                                                        mode_prob=0.99))[1]} == {"divergence",
                                                                                                 "divergence_real"}
@@ -76,7 +80,7 @@ def test_a_resumed_monitor_replays_its_log_and_does_not_repeat_alarms():
     cut = 25
     mon, alarms = run(recs[:cut])
     log = recs[:cut] + alarms
-    again = CollapseMonitor()
+    again = CollapseMonitor(SYNTH)
     again.replay(log)
     rest = [a for r in recs[cut:] for a in again.on_record(r)]
     _, straight = run(recs)
@@ -116,11 +120,11 @@ def test_relog_reproduces_the_live_log_and_applies_other_thresholds():
     from minscope.monitor import relog
 
     recs = collapsing_run()
-    mon, live = CollapseMonitor(), []
+    mon, live = CollapseMonitor(SYNTH), []
     for r in recs:
         live.append(r)
         live += mon.on_record(r)
-    assert relog(live, MonitorConfig()) == live                    # old alarms dropped, the same ones again
+    assert relog(live, SYNTH) == live                    # old alarms dropped, the same ones again
     strict = relog(live, MonitorConfig(entropy_frac=0.1, zero_var=0.95, mode_prob=0.99))
     assert {r["signal"] for r in strict if r["kind"] == "alarm"} == {"divergence", "divergence_real"}
     assert [r for r in strict if r["kind"] != "alarm"] == recs
