@@ -5,7 +5,8 @@ there is a GPU: its models are 64 wide, one process per core suits them): tiny
 language models are trained from scratch and cached, then Base, RL (Single), Verbalized
 Sampling, Ensemble, Co-Training, Population Co-Training and an oracle arm are trained for
 3 seeds each (plus three Co-Training variants, seed 0) and evaluated on a held-out panel:
-about 30 minutes on 2 CPU cores the first time, 22 once the tiny models are cached; Ctrl-C
+about 51 CPU-minutes once the tiny models are cached (measured: 1 h 15 min on 2 shared CPU
+cores; roughly half an hour on two free ones), plus their one-time build; Ctrl-C
 loses at most one step (--resume continues). Results land in runs/<name>/ (report.md,
 results.json, plots). `--quick` runs the same code path in about three minutes (1 seed,
 4 arms, small models: a smoke run, too small to show the effect).

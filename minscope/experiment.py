@@ -58,7 +58,8 @@ def is_toy_variant(tweak: str) -> bool:
 
 @dataclass
 class ToyConfig:
-    """Settings of the toy experiment (defaults: the headline run, ~14 min on 2 CPU cores, ~21 cold)."""
+    """Settings of the toy experiment (defaults: the headline run, ~51 CPU-minutes with the
+    tiny models cached: docs/RESULTS.md, "Runtime")."""
     name: str = "toy"
     methods: tuple = TOY_METHODS          # "base" = the untrained policy, evaluated only
     seeds: tuple = (0, 1, 2)
