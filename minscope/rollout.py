@@ -245,6 +245,18 @@ def eos_token_ids(tokenizer, model=None) -> set[int]:
     return {i for i in ids if i is not None}
 
 
+def with_system_suffix(messages: list[dict], suffix, episode) -> list[dict]:
+    """`messages` with `suffix` (a string, or a function episode -> string) appended to the
+    system message, or a system message of its own when there is none."""
+    suffix = suffix(episode) if callable(suffix) else suffix
+    if suffix:
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + suffix}
+        else:
+            messages.insert(0, {"role": "system", "content": suffix})
+    return messages
+
+
 class LMSpeaker:
     """A party played by a causal LM (optionally through a LoRA adapter).
 
@@ -280,13 +292,7 @@ class LMSpeaker:
 
     def messages_for(self, env, episode) -> tuple[list[dict], list | None]:
         """This party's view of the conversation (with its system suffix), and its tools."""
-        messages = view_messages(env, episode, self.role)
-        suffix = self.system_suffix(episode) if callable(self.system_suffix) else self.system_suffix
-        if suffix:
-            if messages and messages[0]["role"] == "system":
-                messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + suffix}
-            else:
-                messages.insert(0, {"role": "system", "content": suffix})
+        messages = with_system_suffix(view_messages(env, episode, self.role), self.system_suffix, episode)
         if self.role == "agent":
             tools = env.agent_tools(episode.task)
         else:

@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .chat import strip_reasoning
 from .envs.base import Turn
 from .errors import RunStopped
-from .rollout import view_messages
+from .rollout import view_messages, with_system_suffix
 
 SPEC = re.compile(r"^openai:(?P<model>.+?)@(?P<url>https?://\S+)$")
 KEY_VARS = ("MINSCOPE_API_KEY", "OPENAI_API_KEY")
@@ -143,14 +143,7 @@ class ServedSpeaker:
 
     # ------------------------------------------------------------------ the speaker interface
     def messages_for(self, env, episode) -> list[dict]:
-        messages = view_messages(env, episode, self.role)
-        suffix = self.system_suffix(episode) if callable(self.system_suffix) else self.system_suffix
-        if suffix:
-            if messages and messages[0]["role"] == "system":
-                messages[0] = {"role": "system", "content": messages[0]["content"] + "\n\n" + suffix}
-            else:
-                messages.insert(0, {"role": "system", "content": suffix})
-        return messages
+        return with_system_suffix(view_messages(env, episode, self.role), self.system_suffix, episode)
 
     def generate(self, episodes, env):
         """One turn for each episode, requested concurrently; returns (texts, ids, logps) like
