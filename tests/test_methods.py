@@ -422,7 +422,7 @@ def test_grpo_update_kl_statistic_ignores_untrained_positions(tokenizer, monkeyp
     real = trainer.sequence_logprobs
     untrained = trainer.training_batch(episodes, "agent", tokenizer.pad_token_id).loss_mask == 0
 
-    def far_reference(model, ids, attn, temperature, adapter):   # one micro-batch: every row
+    def far_reference(model, ids, attn, temperature, adapter, backend="auto"):   # one micro-batch: every row
         lp = real(model, ids, attn, temperature, adapter)
         return torch.where(untrained, lp + 200.0, lp)
 
