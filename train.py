@@ -85,8 +85,8 @@ def build_parser():
                    "batch-wide for curriculum, which group refuses), joined by '+'")
     p.add_argument("--seeds", help="toy: comma-separated seeds (default: 0,1,2)")
     p.add_argument("--steps", type=whole(0), help="policy updates per arm")
-    p.add_argument("--workers", type=whole(1), help="toy: arms trained in parallel processes, one CPU "
-                   "thread each (default 2; use the number of cores)")
+    p.add_argument("--workers", type=whole(1), help="toy: arms trained in parallel processes (default: "
+                   "one per available CPU core, at most one per arm)")
     # real models
     p.add_argument("--method", help="real env: single (default)|vs|ensemble|persona|cotrain|"
                    "population|selfplay|population-selfplay")

@@ -35,14 +35,17 @@ from tqdm.auto import tqdm
 from .envs.toy import RealUsers, ToyEnv, World
 from .diversity import member_profile, pool_diversity
 from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
-from .files import RunLock, load_state, read_jsonl, save_atomic, truncate_log, write_text_atomic
+from . import runfolder
+from .armpool import default_workers, run_pool, threads_per_worker
+from .files import RunLock, load_state, read_jsonl, save_atomic, write_text_atomic
 from .methods import Method, build_method, train_step
 from .models import adapter_state, add_adapters, load_adapter_state
 from .monitor import CollapseMonitor, MonitorConfig, log_with_alarms
+from .runfolder import MetricsLog, arm_name, check_saved_arms
 from .rollout import LMSpeaker
 from .sft import encode_chat, pad_batch
 from .simulators import Frozen, Population
-from .toy_models import ToyModelConfig, ToyModels, aligned_fidelity, fidelity, fidelity_problems, worker_init
+from .toy_models import ToyModelConfig, ToyModels, aligned_fidelity, fidelity, fidelity_problems
 from .trainer import UpdateConfig
 
 TOY_METHODS = ("base", "single", "vs", "ensemble", "cotrain", "population", "oracle")
@@ -99,7 +102,8 @@ class ToyConfig:
     meter_every: int = 30                 # collapse meter cadence (0 = off)
     temperature: float = 1.0              # policy sampling temperature in training
     policy_max_new_tokens: int = 6        # an act is one token + end of turn; room to garble
-    workers: int = 2                      # arms trained in parallel, one CPU thread each
+    workers: int = 0                      # arms trained in parallel processes (0: one per available
+                                          # core, at most one per arm; armpool.default_workers)
     models: ToyModelConfig = field(default_factory=ToyModelConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)   # the live collapse monitor
 
@@ -144,10 +148,6 @@ def reference_values(gamma: float) -> dict:
             "best_adaptive": world.best_adaptive()[0], "exploit": list(seq),
             "exploit_real": world.exact_value(exploit),
             "exploit_sharpened": world.exact_value(exploit, reply_dist=sharpened(world.reply_dist, gamma))}
-
-
-def arm_name(method: str, seed: int) -> str:
-    return f"{method}-s{seed}"
 
 
 # --------------------------------------------------------------------------- set-up
@@ -390,76 +390,18 @@ def measure_pool(toy: Toy, m: Method, step: int, profiles: dict) -> dict:
     return pool_diversity({n: profiles[n] for n in members}, toy.sim_a_profile(), toy.world, c.gamma)
 
 
-class MetricsLog:
-    """One arm's append-only JSONL. `trim(k)` drops what comes after the saved step k."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def trim(self, from_step: int):
-        # the state of step k is saved after its train record: everything later is redone
-        truncate_log(self.path, from_step)
-
-    def __call__(self, record: dict):
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
 _WORKER_TOY = {}
-
-
-def _worker_init():
-    """A worker of the arms' pool: as `worker_init`, and deaf to Ctrl-C. The terminal sends
-    SIGINT to every process of the group; the parent alone decides, and stops the workers
-    (each arm's state is saved after every step, atomically, so a killed worker loses at
-    most the step in progress)."""
-    import signal
-
-    worker_init()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _arm_worker(job):
     """Run one arm in a worker process. The Toy set-up (the frozen tiny models) is loaded
     once per process and shared by its arms: every arm copies what it trains."""
     cfg, cache_dir, run_dir, method, seed, stop_after = job
-    torch.set_num_threads(1)
     key = (json.dumps(asdict(cfg), sort_keys=True, default=list), cache_dir)   # each job pickles a new cfg
     if key not in _WORKER_TOY:
         _WORKER_TOY.clear()
         _WORKER_TOY[key] = Toy(cfg, cache_dir, log=lambda *a: None, progress=False)
     return _run_logged(_WORKER_TOY[key], method, seed, Path(run_dir), stop_after, progress=False)
-
-
-def run_pool(fn, jobs: list, workers: int, on_result, initializer=_worker_init) -> None:
-    """fn(job) for every job in `workers` spawned processes; on_result(result) as each
-    finishes. Ctrl-C (or a failed job) stops every worker at once, queued jobs included,
-    and is raised here; the workers themselves ignore Ctrl-C (see `_worker_init`)."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=initializer) as pool:
-        futures = [pool.submit(fn, job) for job in jobs]
-        try:
-            for fut in as_completed(futures):
-                on_result(fut.result())
-        except BaseException:
-            _stop_workers(pool)
-            raise
-
-
-def _stop_workers(pool) -> None:
-    """Cancel the queued arms and end the running ones now (after Ctrl-C or a failed arm).
-    Each arm saved its state after its last finished step, atomically: ending a worker
-    mid-step loses that step only. (Python 3.14 has pool.terminate_workers(); before it,
-    the pool's processes are reached directly.)"""
-    if hasattr(pool, "terminate_workers"):
-        pool.terminate_workers()
-        return
-    running = list((getattr(pool, "_processes", None) or {}).values())   # shutdown forgets them
-    pool.shutdown(wait=False, cancel_futures=True)
-    for proc in running:
-        proc.terminate()
 
 
 def _run_logged(toy, method, seed, run_dir: Path, stop_after=None, progress=True):
@@ -473,29 +415,44 @@ def _run_logged(toy, method, seed, run_dir: Path, stop_after=None, progress=True
     return method, seed, last["real_users"]
 
 
-def check_saved_arms(run_dir: Path, cfg: ToyConfig) -> None:
-    """Before a resumed run starts any worker: every arm's saved state must load and every
-    log must read (a half-written last line, left by a kill, is dropped with a note by the
-    arm itself); otherwise one message naming the damaged file (files.RunFileError)."""
-    for method, seed in cfg.arms():
-        arm = run_dir / "arms" / arm_name(method, seed)
-        for path in (arm.with_suffix(".pt"), arm.parent / f"{arm.name}.best.pt"):
-            if path.exists():
-                load_state(path)
-        log = arm.parent / f"{arm.name}.jsonl"
-        if log.exists():
-            read_jsonl(log, warn=lambda msg: None)   # the note comes when the arm trims it
+# CPU-seconds of one default arm of each kind on one free core (bench/profile_toy.py); only
+# their ratios matter here: they order the jobs and turn finished arms into an ETA
+ARM_SECONDS = {"base": 10, "single": 60, "ensemble": 60, "oracle": 50, "vs": 150, "cotrain": 110, "population": 120}
+
+
+def arm_cost(method: str) -> float:
+    return ARM_SECONDS.get(method.partition(":")[0], 60)
+
+
+class ETA:
+    """The progress line after each finished arm: arms done / total, time left. The time
+    left is the unfinished arms' share of the work (`arm_cost`) at the pace of the finished
+    ones; before the first arm ends, the a-priori figure of `ARM_SECONDS` on `workers` cores."""
+
+    def __init__(self, jobs, workers: int):
+        self.left = [m for m, _ in jobs]
+        self.total, self.workers, self.start, self.cost_done = len(jobs), workers, time.time(), 0.0
+
+    def first(self) -> str:
+        busy = sum(map(arm_cost, self.left)) / self.workers
+        return f"about {_minutes(max(busy, max(map(arm_cost, self.left), default=0)))} on free cores"
+
+    def done(self, method: str) -> str:
+        self.left.remove(method)
+        self.cost_done += arm_cost(method)
+        elapsed = time.time() - self.start
+        left = elapsed * sum(map(arm_cost, self.left)) / self.cost_done
+        tail = f", about {_minutes(left)} left" if self.left else ""
+        return f"[{self.total - len(self.left)}/{self.total} arms, {_minutes(elapsed)} elapsed{tail}]"
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s" if seconds >= 60 else f"{int(seconds)} s"
 
 
 def merge_metrics(run_dir: Path, cfg: ToyConfig) -> Path:
     """Concatenate the arms' logs into metrics.jsonl (in `cfg.arms()` order)."""
-    out = run_dir / "metrics.jsonl"
-    with out.open("w") as f:
-        for method, seed in cfg.arms():
-            p = run_dir / "arms" / f"{arm_name(method, seed)}.jsonl"
-            if p.exists():
-                f.write(p.read_text())
-    return out
+    return runfolder.merge_metrics(run_dir, cfg.arms())
 
 
 def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bool = False,
@@ -517,7 +474,7 @@ def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bo
 
 def _run(cfg: ToyConfig, run_dir: Path, cache_dir, resume: bool, log, progress, stop_after) -> Path:
     if resume:
-        check_saved_arms(run_dir, cfg)
+        check_saved_arms(run_dir, cfg.arms())
     write_text_atomic(run_dir / "config.json", json.dumps(asdict(cfg), indent=2, default=list))
     models = ToyModels(cache_dir, cfg.models, progress=progress, log=log)
     models.build()
@@ -544,23 +501,23 @@ def _run(cfg: ToyConfig, run_dir: Path, cache_dir, resume: bool, log, progress, 
             log(f"warning: the fidelity check fails: {problem}; the arms below will run, but their "
                 "numbers say little about simulator collapse (expected with --quick's small models)")
     # the slowest arms first, so that the workers finish at about the same time
-    cost = {"vs": 0, "population": 1, "cotrain": 2}
-    jobs = sorted(cfg.arms(), key=lambda arm: cost.get(arm[0].partition(":")[0], 3))
-    if cfg.workers <= 1:
+    jobs = sorted(cfg.arms(), key=lambda arm: -arm_cost(arm[0]))
+    workers = cfg.workers or default_workers(len(jobs))
+    eta = ETA(jobs, workers)
+    if workers <= 1:
         toy = Toy(cfg, cache_dir, log=log, progress=progress)
         for method, seed in jobs:
             _, _, score = _run_logged(toy, method, seed, run_dir, stop_after, progress)
-            log(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}")
+            log(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}   {eta.done(method)}")
     else:
-        log(f"training {len(jobs)} arms in {cfg.workers} processes ...")
-        bar = tqdm(total=len(jobs), desc="arms", disable=not progress)
+        threads = threads_per_worker(workers)
+        log(f"training {len(jobs)} arms in {workers} processes ({threads} CPU thread{'s' * (threads > 1)} each; "
+            f"{eta.first()}) ...")
 
         def done(result):
             method, seed, score = result
-            bar.update()
-            bar.write(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}")
+            log(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}   {eta.done(method)}")
         run_pool(_arm_worker, [(cfg, str(cache_dir), str(run_dir), m, s, stop_after) for m, s in jobs],
-                 cfg.workers, done)
-        bar.close()
+                 workers, done, initargs=(threads,))
     merge_metrics(run_dir, cfg)
     return run_dir
