@@ -30,10 +30,13 @@ import torch
 from .chat import chat_format, strip_reasoning
 from .envs.base import Episode, Turn
 from .kvcache import KVCache, party_cache, session
+from .lean import lean_forward
 from .models import model_device, use_adapter
 
 
 # --------------------------------------------------------------------------- sampling
+LEAN = True      # tiny Llama models decode through minscope/lean.py (bit-identical, less overhead)
+
 def _cache_kwarg(model) -> str:
     """transformers renamed `past_key_values` to `cache` in 5.2x; support both."""
     import inspect
@@ -139,6 +142,7 @@ class _Forward:
                              "(load the model with attn_implementation='sdpa')")
         self.additive = impl == "eager"
         self.dtype = model.get_input_embeddings().weight.dtype
+        self.lean = lean_forward(model) if LEAN else None    # the toy's tiny models only (minscope/lean.py)
 
     def keep_rows(self, keep: list[int], leave: list[int]):
         """Rows `keep` (positions in the decode batch) stay in front; rows `leave` move back."""
@@ -153,6 +157,10 @@ class _Forward:
         c.reserve(s, input_ids.device)
         c.mask[:c.front, c.width:c.width + s] = real
         mask = c.attention_mask(s, self.dtype, self.additive)
+        if self.lean is not None:     # the same operations without the general forward's overhead
+            logits = self.lean(input_ids, mask, position, c, self.names)
+            c.advance(s)
+            return logits
         extra = {"adapter_names": self.names} if self.names is not None else {}
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position,
                          use_cache=True, logits_to_keep=1, **{self.cache_kw: c}, **extra)
