@@ -96,16 +96,16 @@ def instrument(prof: Profiler):
     prof.wrap(sft, "encode_chat", "sft_data")
 
 
-def default_counts(kind: str) -> dict:
-    """How often the default run does each thing in one arm of `kind`."""
-    c = experiment.ToyConfig()
+def default_counts(kind: str, **cadence) -> dict:
+    """How often the default run (with `cadence` overrides) does each thing in one arm of `kind`."""
+    c = replace(experiment.ToyConfig(), **cadence)
     if kind == "base":
         return {"eval_final": 1, "meter": 1 if c.meter_every else 0}
     evals = [s for s in range(c.steps + 1) if s % c.eval_every == 0 or s == c.steps]
     meters = [s for s in evals if c.meter_every and (s % c.meter_every == 0 or s == c.steps)]
     out = {"train": c.steps, "save": c.steps, "eval": len(evals) - 1, "eval_final": 1, "meter": len(meters)}
     if kind.partition(":")[0] in ("cotrain", "population"):
-        out["pool"] = len(range(0, c.steps, c.pool_every))
+        out["pool"] = len(range(0, c.steps, c.pool_measure_every or c.pool_every))
     return out
 
 
@@ -135,9 +135,9 @@ def top_of(path: str) -> str:
     return path.split("/")[0]
 
 
-def project(res: dict, kind: str) -> tuple[dict, float]:
+def project(res: dict, kind: str, **cadence) -> tuple[dict, float]:
     """Per-phase seconds of one default arm: measured seconds per call x default calls."""
-    counts = default_counts(kind)
+    counts = default_counts(kind, **cadence)
     out = defaultdict(float)
     for path, sec in res["time"].items():
         top = top_of(path)
@@ -180,12 +180,12 @@ def run_arms(args):
     cfg = replace(experiment.ToyConfig(), steps=args.steps, eval_every=max(1, args.steps // 2),
                   meter_every=args.steps, pool_every=max(1, args.steps // 2), workers=1)
     toy = experiment.Toy(cfg, args.cache_dir, log=lambda *a: None, progress=False)
-    table, totals = {}, {}
+    table, totals, results = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in kinds:
             run_dir = Path(tmp) / kind.replace(":", "_")
             run_dir.mkdir()
-            res = profile_arm(toy, kind, args.steps, run_dir)
+            res = results[kind] = profile_arm(toy, kind, args.steps, run_dir)
             proj, total = project(res, kind)
             table[kind], totals[kind] = proj, total
             per_step = sum(v for p, v in res["time"].items() if top_of(p) == "train") / max(1, res["calls"].get("train", 1))
@@ -206,13 +206,39 @@ def run_arms(args):
             cells.append(f"{sec / totals[kind]:.0%}" if totals[kind] else "-")
         print(f"| {label} | " + " | ".join(cells) + " |")
     print("| **projected default arm, CPU-s** | " + " | ".join(f"{totals[k]:.0f}" for k in kinds) + " |")
-    per_arm = {k: totals[k] for k in kinds}
-    arms = experiment.ToyConfig().arms()
-    total = sum(per_arm.get(m, per_arm.get(m.partition(":")[0], 0.0)) for m, _ in arms)
-    print(f"\nall {len(arms)} default arms: {total:.0f} CPU-s (unmeasured kinds count as their base method; "
-          f"ensemble as single if not measured)")
+    print_totals("default cadence", totals)
+    cadence = dict(kv.split("=") for kv in args.cadence.split(",")) if args.cadence else {}
+    cadence = {k: int(v) for k, v in cadence.items()}
+    if cadence:
+        other = {kind: project(results[kind], kind, **cadence)[1] for kind in kinds}
+        print_totals(f"cadence {cadence}", other)
     if args.json:
-        Path(args.json).write_text(json.dumps({"per_arm_s": totals, "phases": table, "load": os.getloadavg()[0]}, indent=1))
+        Path(args.json).write_text(json.dumps({"per_arm_s": totals, "phases": table, "raw": results,
+                                               "load": os.getloadavg()[0]}, indent=1))
+
+
+def print_totals(label: str, totals: dict) -> None:
+    """Every default arm's CPU-seconds from the measured kinds (base ~ the final evaluation of
+    an untrained policy; ensemble ~ single), and the wall time that predicts on n cores."""
+    arms = experiment.ToyConfig().arms()
+    est = dict(totals)
+    est.setdefault("ensemble", est.get("single", 0.0))
+    per = [est.get(m.partition(":")[0], 0.0) for m, _ in arms]
+    total = sum(per)
+    line = ", ".join(f"{k} {v:.0f}" for k, v in est.items())
+    print(f"\n{label}: per arm {line} CPU-s; all {len(arms)} arms {total:.0f} CPU-s = {total / 60:.1f} CPU-min")
+    for cores in (2, 8):
+        print(f"  on {cores} free cores, {cores} workers: {makespan(per, cores) / 60:.1f} min of arms "
+              f"(the arms' pool: slowest first, each to the next free worker)")
+
+
+def makespan(costs: list[float], workers: int) -> float:
+    """When the last arm ends, when arms go slowest first to whichever worker is free first."""
+    free = [0.0] * workers
+    for c in sorted(costs, reverse=True):
+        i = free.index(min(free))
+        free[i] += c
+    return max(free)
 
 
 def run_build(args):
@@ -257,11 +283,13 @@ def main():
     quiet()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cache-dir", default=os.environ.get("MINSCOPE_CACHE", ".cache/minscope"))
-    p.add_argument("--arms", default="single,vs,cotrain,population,oracle")
+    p.add_argument("--arms", default="base,single,vs,cotrain,population,oracle")
     p.add_argument("--steps", type=int, default=4, help="training steps per profiled arm")
     p.add_argument("--build", action="store_true", help="profile the tiny-model build instead (one simulator)")
     p.add_argument("--build-steps", type=int, default=100)
     p.add_argument("--json", help="also write the projected per-phase seconds here")
+    p.add_argument("--cadence", help="also project with these ToyConfig cadences, e.g. "
+                   "eval_every=25,meter_every=50,pool_measure_every=8")
     p.add_argument("--raw", action="store_true", help="print every phase path's measured seconds")
     args = p.parse_args()
     torch.set_num_threads(1)

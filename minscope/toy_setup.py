@@ -65,6 +65,10 @@ class ToyConfig:
     sim_baseline: str = "auto"            # group-wise, batch-wide for curriculum (methods.resolve_sim_baseline)
     pool_size: int = 5
     pool_every: int = 4                   # a snapshot (and a pool-diversity measurement) every k steps
+    # pool-diversity measurements every k steps instead (0: at every snapshot, as above). Fewer
+    # measurements cost less and leave training and every evaluation as they are; a
+    # Population's members are then profiled at a later step, on other random draws.
+    pool_measure_every: int = 0
     diversity_samples: int = 32           # replies per persona and history in pool_diversity
     vs_k: int = 5
     eval_every: int = 10
