@@ -8,6 +8,10 @@ every arm kind, before and after, must log the same numbers (bit for bit).
 `run` imports minscope from the current directory (so the same script runs old code).
 `diff` compares every arm's records (metrics.jsonl) field by field, wall-time fields aside,
 and prints per arm kind: identical, or the first fields that differ and by how much.
+
+Run both sides with the same PYTHONHASHSEED: a few figures iterate over Python sets of
+strings (`envs.toy.total_variation`, the eval record's most common act sequence), whose
+order, and so the last bit of a sum or a tie-break, changes with the hash seed of the process.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ TIMING = {"seconds", "rollout_s"}
 ARMS = ("base", "single", "vs", "ensemble", "cotrain", "population", "oracle")
 
 
-def run(out: Path, cache_dir: str, workers: int):
+def run(out: Path, cache_dir: str, workers: int, methods=ARMS, ablations=("cotrain:anchor",)):
     sys.path.insert(0, os.getcwd())
     import torch
 
@@ -33,8 +37,8 @@ def run(out: Path, cache_dir: str, workers: int):
 
     quiet()
     torch.set_num_threads(1)
-    cfg = experiment.ToyConfig(name="check", methods=ARMS, seeds=(0,), steps=4, eval_every=2, meter_every=2,
-                               pool_every=2, final_episodes=64, ablations=("cotrain:anchor",), workers=workers)
+    cfg = experiment.ToyConfig(name="check", methods=tuple(methods), seeds=(0,), steps=4, eval_every=2, meter_every=2,
+                               pool_every=2, final_episodes=64, ablations=tuple(ablations), workers=workers)
     experiment.run(cfg, out, cache_dir, log=print, progress=False)
 
 
@@ -89,12 +93,14 @@ def main():
     r.add_argument("out", type=Path)
     r.add_argument("--cache-dir", default=os.environ.get("MINSCOPE_CACHE", ".cache/minscope"))
     r.add_argument("--workers", type=int, default=1)
+    r.add_argument("--methods", default=",".join(ARMS))
+    r.add_argument("--ablations", default="cotrain:anchor")
     d = sub.add_parser("diff")
     d.add_argument("a", type=Path)
     d.add_argument("b", type=Path)
     args = p.parse_args()
     if args.cmd == "run":
-        run(args.out, args.cache_dir, args.workers)
+        run(args.out, args.cache_dir, args.workers, args.methods.split(","), [a for a in args.ablations.split(",") if a])
     else:
         sys.exit(1 if diff(args.a, args.b) else 0)
 
