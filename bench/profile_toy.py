@@ -13,7 +13,8 @@ the absolute seconds come with the load average they were measured under.
 Time is attributed to the innermost phase running (exclusive times):
 
     train/rollout   the training step's rollout: policy / simulator, prefill / decode
-                    (the LM forwards), and the rest (templates, tokenizing, env, sampling)
+                    (the LM forwards); the sampling ops around them (softmax, multinomial,
+                    KV-cache moves); the rest (chat templates, tokenizer, env, scoring)
     train/update    the GRPO updates (policy, trained simulator, realism anchor)
     eval            panel evaluation (the final one separately: 256 episodes per persona)
     meter           the collapse meter
@@ -153,8 +154,8 @@ GROUPS = [  # (row label, predicate on the phase path)
     ("train rollout: policy prefill", lambda p: p.startswith("train/rollout/policy/prefill")),
     ("train rollout: simulator decode", lambda p: p.startswith("train/rollout/simulator/decode")),
     ("train rollout: simulator prefill", lambda p: p.startswith("train/rollout/simulator/prefill")),
-    ("train rollout: speaker glue", lambda p: p in ("train/rollout/policy", "train/rollout/simulator")),
-    ("train rollout: engine/env", lambda p: p == "train/rollout"),
+    ("train rollout: sampling ops, KV-cache moves", lambda p: p in ("train/rollout/policy", "train/rollout/simulator")),
+    ("train rollout: templates, tokenizer, env", lambda p: p == "train/rollout"),
     ("train update (GRPO, anchor)", lambda p: p.startswith("train/update")),
     ("train other", lambda p: p == "train"),
     ("evaluation (every 10 steps)", lambda p: top_of(p) == "eval"),

@@ -217,9 +217,9 @@ def _run_logged(toy, method, seed, run_dir: Path, stop_after=None, progress=True
     return method, seed, last["real_users"]
 
 
-# CPU-seconds of one default arm of each kind on one free core (bench/profile_toy.py); only
+# CPU-seconds of one default arm of each kind (bench/profile_toy.py; ensemble as single); only
 # their ratios matter here: they order the jobs and turn finished arms into an ETA
-ARM_SECONDS = {"base": 10, "single": 60, "ensemble": 60, "oracle": 50, "vs": 150, "cotrain": 110, "population": 120}
+ARM_SECONDS = {"base": 5, "single": 55, "ensemble": 55, "oracle": 42, "vs": 133, "cotrain": 98, "population": 107}
 
 
 def arm_cost(method: str) -> float:

@@ -37,8 +37,8 @@ def is_toy_variant(tweak: str) -> bool:
 
 @dataclass
 class ToyConfig:
-    """Settings of the toy experiment (defaults: the headline run, ~51 CPU-minutes with the
-    tiny models cached: docs/RESULTS.md, "Runtime")."""
+    """Settings of the toy experiment (defaults: the headline run, ~41 CPU-minutes, predicted
+    by bench/profile_toy.py: docs/RESULTS.md, "Runtime")."""
     name: str = "toy"
     methods: tuple = TOY_METHODS          # "base" = the untrained policy, evaluated only
     seeds: tuple = (0, 1, 2)
