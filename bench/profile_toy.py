@@ -271,13 +271,13 @@ def run_build(args):
     tm.sft = orig_sft
     prof._flush()
     wall = time.process_time() - t0
-    per_step = steps_time["sft"] / args.build_steps
     total_steps = c.sim_a_steps + c.vs_steps + c.policy_steps + c.aligned_steps + 5 * c.sim_steps
     data = prof.time.get("train_model/sft/sft_data", 0.0)
+    per_step = (steps_time["sft"] - data) / args.build_steps
     print(f"sim-a, {args.build_steps} SFT steps: {wall:.1f} CPU-s in all; SFT {steps_time['sft']:.1f} CPU-s "
-          f"({per_step * 1000:.1f} ms per step of batch {c.batch}; data encoding {data:.1f} s of it)")
-    print(f"default build: {total_steps} SFT steps over 9 models -> about {total_steps * per_step / 60:.1f} CPU-minutes "
-          f"of SFT steps (+ data encoding per model); load average {os.getloadavg()[0]:.2f}")
+          f"(data encoding {data:.1f} CPU-s, then {per_step * 1000:.1f} ms per step of batch {c.batch})")
+    print(f"default build: {total_steps} SFT steps over 9 models -> about {(total_steps * per_step + 9 * data) / 60:.1f} "
+          f"CPU-minutes (steps + data encoding per model); load average {os.getloadavg()[0]:.2f}")
 
 
 def main():
