@@ -115,19 +115,32 @@ def evaluate_panel(env, policy: LMSpeaker, panel: dict, tasks, episodes_per_task
     """Roll the policy out against every panel member.
 
     panel: name -> (partner, kind) with kind "seen" | "unseen" | "real".
-    Returns name -> {"kind", "mean", "ci95", "n", "episodes"}; plus "seen"/"unseen" means.
+    Returns name -> {"kind", "mean", "ci95", "se", "n", "episodes"}; plus "seen"/"unseen"
+    group means, each with its standard error (the members' independent SEs combined) and a
+    normal 95% interval, so that a fall between two evaluations can be read against their
+    noise (`monitor`).
     """
     pol = copy.copy(policy)
     pol.temperature = policy_temperature
     out = {}
     for name, (partner, kind) in panel.items():
         eps = rollout(env, tasks, pol, partner, episodes_per_task)
-        out[name] = {"kind": kind, **summarize([e.reward for e in eps]), "episodes": eps}
+        rewards = [e.reward for e in eps]
+        out[name] = {"kind": kind, **summarize(rewards), "se": standard_error(rewards), "episodes": eps}
     for kind in ("seen", "unseen"):
-        members = [v["mean"] for v in out.values() if isinstance(v, dict) and v.get("kind") == kind]
+        members = [v for v in out.values() if isinstance(v, dict) and v.get("kind") == kind]
         if members:
-            out[kind] = {"kind": "group", "mean": float(np.mean(members)), "members": len(members)}
+            mean = float(np.mean([v["mean"] for v in members]))
+            se = float(np.sqrt(sum(v["se"] ** 2 for v in members)) / len(members))
+            out[kind] = {"kind": "group", "mean": mean, "members": len(members), "se": se,
+                         "ci95": [mean - 1.96 * se, mean + 1.96 * se]}
     return out
+
+
+def standard_error(values) -> float:
+    """The standard error of the mean (ddof = 1); 0 for fewer than two values."""
+    v = np.asarray(values, dtype=float)
+    return float(v.std(ddof=1) / np.sqrt(v.size)) if v.size > 1 else 0.0
 
 
 # --------------------------------------------------------------------------- collapse meter

@@ -11,7 +11,8 @@ def train(step, reward=0.5, entropy=1.0, zero_var=0.0):
 
 
 def evaluation(step, panel, real=None, mode=None):
-    rec = {"kind": "eval", "step": step, "panel": panel, "real_users": real}
+    """An eval record; `panel` is the held-out simulators' mean (the toy's "unseen")."""
+    rec = {"kind": "eval", "step": step, "unseen": panel, "real_users": real}
     if mode is not None:
         rec["meter"] = {"mode_prob": mode}
     return rec
@@ -85,6 +86,54 @@ def test_a_resumed_monitor_replays_its_log_and_does_not_repeat_alarms():
     rest = [a for r in recs[cut:] for a in again.on_record(r)]
     _, straight = run(recs)
     assert alarms + rest == straight
+
+
+def noisy_evaluations(means, rng, n=128):
+    """Eval records of a policy whose real-user reward has these true means, each measured
+    on n episodes (rewards 0 or 0.5: SD 0.245 at mean 0.3, SE 0.022 at n = 128, as the toy's
+    real-user evaluations), with the bootstrap interval the toy logs."""
+    from minscope.evaluate import bootstrap_ci
+
+    out = []
+    for k, m in enumerate(means):
+        rewards = 0.5 * (rng.random(n) < 2 * m)
+        out.append({"kind": "eval", "step": 10 * k, "unseen": None, "real_users": float(rewards.mean()),
+                    "real_users_ci95": bootstrap_ci(rewards, n_boot=500, seed=k)})
+    return out
+
+
+def alarm_rate(means, cfg, runs=150, seed=0):
+    """The share of monitors, each fed one rising training curve and one window of noisy
+    evaluations, that raise divergence_real."""
+    import numpy as np
+
+    rng, fired = np.random.default_rng(seed), 0
+    for _ in range(runs):
+        mon = CollapseMonitor(cfg)
+        for k, rec in enumerate(noisy_evaluations(means, rng)):
+            mon.on_record(train(10 * k - 1, reward=0.3 + 0.1 * k))
+            fired += any(a["signal"] == "divergence_real" for a in mon.on_record(rec))
+    return fired / runs
+
+
+def test_a_flat_policys_noisy_evaluations_rarely_cross_the_fall_threshold():
+    """The same true reward three times: the old fixed 0.02 threshold fires on noise in about a
+    quarter of the windows (0.205-0.24 over 3 x 400), the SE-derived one (z = 2) in 2-4%."""
+    flat = [0.3, 0.3, 0.3]
+    old = alarm_rate(flat, MonitorConfig(fall_z=0.0, min_fall=0.02))
+    new = alarm_rate(flat, MonitorConfig())
+    assert old > 0.15 and new < 0.07, (old, new)
+
+
+def test_a_real_collapse_still_crosses_it():
+    assert alarm_rate([0.3, 0.22, 0.15], MonitorConfig(), runs=60) > 0.9
+
+
+def test_the_fall_threshold_is_z_standard_errors_of_the_difference():
+    mon = CollapseMonitor(MonitorConfig(fall_z=2.0, min_fall=0.02))
+    assert mon.fall_threshold(0.03, 0.04) == pytest.approx(0.1)
+    assert mon.fall_threshold(0.001, 0.001) == 0.02          # never below min_fall
+    assert mon.fall_threshold(None, 0.04) == 0.02            # no SE logged: min_fall alone
 
 
 # ------------------------------------------------------------------ pool diversity
