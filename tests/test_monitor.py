@@ -150,19 +150,69 @@ def test_exploit_value_inside_exact_users_matches_the_exact_value():
 
 
 def test_pool_diversity_tells_copies_from_distinct_members():
-    n = 400
+    n = 200
     sim_a = member_profile(SharpenedUsers(GAMMA, seed=0), W, GAMMA, n)
-    copies = {f"s{i}": member_profile(SharpenedUsers(GAMMA, seed=i + 1), W, GAMMA, n) for i in range(3)}
+    copies = {f"s{i}": member_profile(SharpenedUsers(GAMMA, seed=i + 1), W, GAMMA, n, episodes=16) for i in range(2)}
     mixed = {"s0": copies["s0"], "real": member_profile(RealUsers(seed=7), W, GAMMA, n)}
     same = pool_diversity(copies, sim_a, W, GAMMA)
     diff = pool_diversity(mixed, sim_a, W, GAMMA)
     assert same["pairwise_tv"] < 0.05 and same["tv_sim_a"] < 0.05          # sampling noise only
-    assert diff["pairwise_tv"] > 0.2
+    assert abs(same["pairwise_tv_excess"]) < 0.02
+    assert diff["pairwise_tv_excess"] > 0.2 and diff["excess_by"]["probe"] > 0.4     # the cues
+    assert diff["members"]["real"]["cue_rate"] == pytest.approx(W.cue_rate, abs=0.06)
+    assert diff["members"]["s0"]["cue_rate"] < 0.03
     assert diff["members"]["real"]["tv_real"] < 0.06 < diff["members"]["real"]["tv_sim_a"]
     assert diff["members"]["real"]["exploit_value"] < diff["members"]["s0"]["exploit_value"] - 0.4
     assert same["sim_a_exploit_value"] == sim_a["exploit_value"]
     one = pool_diversity({"s0": copies["s0"]}, sim_a, W, GAMMA)
     assert one["pairwise_tv"] is None and one["tv_sim_a"] == same["members"]["s0"]["tv_sim_a"]
+
+
+class Modal:
+    """A deterministic member: the real users' most likely reply everywhere, except that a
+    revealing one names its persona's first cue when probed."""
+
+    def __init__(self, reveal=False):
+        self.reveal = reveal
+
+    def respond(self, episodes, env):
+        from minscope.envs.base import Turn
+        from minscope.envs.toy import ACTS, CUES, history_from_turns
+
+        out = []
+        for ep in episodes:
+            h = history_from_turns(ep.turns)
+            p = W.reply_dist(ep.task.persona, h)
+            text = CUES[ep.task.persona][0] if self.reveal and h == (ACTS["probe"],) else max(p, key=p.get)
+            out.append(Turn("partner", text))
+        return out
+
+
+def test_deterministic_members_read_their_exact_tv_with_a_zero_floor():
+    """Two members that differ only at the probe: the floor is 0, the excess is exactly the
+    share of tables that differ, all of it at the probe; the cue rates are 1 and 0."""
+    from minscope.diversity import diversity_histories
+    from minscope.envs.toy import ACTS
+
+    hidden, revealing = (member_profile(Modal(r), W, GAMMA, n=8, episodes=8) for r in (False, True))
+    d = pool_diversity({"hidden": hidden, "revealing": revealing}, hidden, W, GAMMA)
+    n_hist = len({h for hs in diversity_histories(W, GAMMA).values() for h in hs})
+    assert d["pairwise_floor"] == 0.0 and d["pairwise_tv"] == d["pairwise_tv_excess"] == pytest.approx(1 / n_hist)
+    probe = (ACTS["probe"],)          # the upsell opens with the probe: a third of its tables differ
+    assert d["excess_by"] == {g: pytest.approx(hs.count(probe) / len(hs)) for g, hs in diversity_histories(W, GAMMA).items()}
+    assert d["excess_by"]["probe"] == 1.0 and d["excess_by"]["upsell"] == pytest.approx(1 / 3)
+    assert d["members"]["revealing"]["cue_rate"] == 1.0 and d["members"]["hidden"]["cue_rate"] == 0.0
+    assert d["real_cue_rate"] == pytest.approx(W.cue_rate) and set(d["exploit_values"]) >= {"upsell", "big_small_big"}
+
+
+def test_identical_members_read_no_diversity_above_the_floor():
+    """Copies of the gamma-2 users at 32 replies: raw pairwise TV ~0.12, all of it noise.
+    Over 8 pairs the excess had mean -0.005..+0.005 and SD <= 0.010 at gamma 1-8."""
+    copies = {f"s{i}": member_profile(SharpenedUsers(2.0, seed=i + 1), W, GAMMA, n=32, episodes=16) for i in range(3)}
+    d = pool_diversity(copies, copies["s0"], W, GAMMA)
+    assert d["pairwise_tv"] > 0.08                            # what the uncorrected TV shows
+    assert abs(d["pairwise_tv_excess"]) < 0.04
+    assert d["pairwise_floor"] == pytest.approx(d["pairwise_tv"], abs=0.04)
 
 
 def test_relog_reproduces_the_live_log_and_applies_other_thresholds():
