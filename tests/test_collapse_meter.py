@@ -92,3 +92,21 @@ def test_an_lm_speaker_with_fixed_noise_draws_the_same_tokens_and_reacts(tokeniz
     c = [t.text for t in speaker.respond(episodes(8), env)]
     assert a == b and len(set(a)) == 1 and a != c
     assert turn_noise(Episode(task="river", group=0), "agent") is None
+
+
+def test_sampling_with_uniforms_is_the_inverse_cdf(tokenizer):
+    """Token = the first whose cumulative probability exceeds u, its log-prob the model's."""
+    from minscope.models import build_tiny_model
+    from minscope.rollout import sample
+
+    torch.manual_seed(0)
+    model = build_tiny_model(tokenizer, "qwen3", hidden_size=32)
+    prompt = tokenizer("say river", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    cdf = probs.cumsum(-1)
+    u = torch.tensor([[0.05], [0.5], [0.95]])
+    ids, logps = sample(model, [prompt] * 3, tokenizer.pad_token_id, set(), 1, uniforms=u)
+    for (tok,), (lp,), x in zip(ids, logps, u[:, 0]):
+        assert (cdf[tok - 1] if tok else 0.0) <= x < cdf[tok]
+        assert lp == pytest.approx(float(probs[tok].log()), abs=1e-4)
