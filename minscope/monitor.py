@@ -5,7 +5,9 @@ It reads the records a run logs anyway (train steps and evaluations) and raises 
 when a signal crosses its threshold:
 
     divergence       training reward rising while held-out reward falls, over the last
-                     `window` evaluations (held out = the evaluation panel: all a user has)
+                     `window` evaluations (held out = the panel's simulators that no arm
+                     trains against: the toy's "unseen" group; sim-a..c, which the arms
+                     train on, stay in the panel's mean for checkpoint selection)
     divergence_real  the same against the real users (the toy only: its unseen simulators
                      share sim-a's mode and prefer the collapsed policy, so the panel alone
                      can miss it; reported as a separate signal)
@@ -15,6 +17,13 @@ when a signal crosses its threshold:
                      above `zero_var`: the simulator answers every rollout of a task alike
     mode_prob        the training simulator's mode probability (collapse meter) above
                      `mode_prob`
+
+A fall counts only above the noise of the two evaluations it compares: it must exceed
+`fall_z` standard errors of their difference, z * sqrt(SE_first^2 + SE_last^2), read from the
+record's `<key>_se` or `<key>_ci95` (and at least `min_fall`). One toy real-user evaluation
+(128 episodes) has SE ~0.022, so a fixed 0.02 fall was crossed by a flat policy about a
+quarter of the time; at z = 2 a flat policy crosses it about 2% of the time per window
+(tests/test_monitor.py measures both).
 
 An alarm is logged once per signal, when it first fires (`{"kind": "alarm", "step", "signal",
 "alarm_<signal>": value, ...}`); the caller prints one console line per run or arm. The
@@ -39,7 +48,8 @@ SIGNALS = ("divergence", "divergence_real", "entropy", "zero_var", "mode_prob")
 class MonitorConfig:
     window: int = 3               # evaluations in the divergence window
     min_rise: float = 0.1         # training reward must rise at least this much over it ...
-    min_fall: float = 0.02        # ... while held-out reward falls at least this much
+    min_fall: float = 0.02        # ... while held-out reward falls at least this much, and
+    fall_z: float = 2.0           # ... more than this many SEs of the two evaluations' difference
     window_steps: int = 5         # training steps averaged for entropy and zero_var
     entropy_frac: float = 0.2     # alarm below this fraction of the starting entropy
     zero_var: float = 0.3         # alarm above this share of zero-variance groups
@@ -47,10 +57,10 @@ class MonitorConfig:
 
 
 class CollapseMonitor:
-    def __init__(self, cfg: MonitorConfig | None = None, panel_key: str = "panel",
+    def __init__(self, cfg: MonitorConfig | None = None, panel_key: str = "unseen",
                  real_key: str | None = "real_users"):
         self.cfg = cfg or MonitorConfig()
-        self.panel_key = panel_key        # the eval record's held-out panel mean
+        self.panel_key = panel_key        # the eval record's held-out mean (the toy: its unseen simulators)
         self.real_key = real_key          # a held-out score of real users, where the run has one
         self.fired: dict[str, int] = {}   # signal -> first step
         self.entropy0 = None
@@ -89,21 +99,31 @@ class CollapseMonitor:
         if mode is not None and np.isfinite(mode) and mode > c.mode_prob:
             out += self._alarm("mode_prob", step, mode, f"simulator mode probability {mode:.2f} > {c.mode_prob:g}")
         if self.since_eval:                     # evaluations with training behind them
-            self.evals.append((float(np.mean(self.since_eval)), rec.get(self.panel_key),
-                               rec.get(self.real_key) if self.real_key else None))
+            self.evals.append((float(np.mean(self.since_eval)), _score(rec, self.panel_key),
+                               _score(rec, self.real_key) if self.real_key else (None, None)))
             self.since_eval = []
         if len(self.evals) == c.window:
             first, last = self.evals[0], self.evals[-1]
             rise = last[0] - first[0]
             for signal, i in (("divergence", 1), ("divergence_real", 2)):
-                if first[i] is None or last[i] is None or rise < c.min_rise:
+                (a, se_a), (b, se_b) = first[i], last[i]
+                if a is None or b is None or rise < c.min_rise:
                     continue
-                fall = first[i] - last[i]
-                if fall >= c.min_fall:
-                    where = "panel" if i == 1 else "real users"
+                fall, need = a - b, self.fall_threshold(se_a, se_b)
+                if fall >= need:
+                    where = "held-out simulators" if i == 1 else "real users"
                     out += self._alarm(signal, step, fall, f"train reward +{rise:.2f} while the {where}' "
-                                                           f"reward fell {fall:.2f} over {c.window} evaluations")
+                                                           f"reward fell {fall:.2f} (> {need:.2f}, its noise) "
+                                                           f"over {c.window} evaluations")
         return out
+
+    def fall_threshold(self, se_first, se_last) -> float:
+        """The fall that counts: `fall_z` SEs of the difference, at least `min_fall`; only
+        `min_fall` when an evaluation carries no standard error."""
+        c = self.cfg
+        if se_first is None or se_last is None:
+            return c.min_fall
+        return max(c.min_fall, c.fall_z * float(np.hypot(se_first, se_last)))
 
     def on_record(self, rec: dict) -> list[dict]:
         kind = rec.get("kind")
@@ -116,6 +136,17 @@ class CollapseMonitor:
                 self.fired.setdefault(rec["signal"], rec["step"])
             else:
                 self.on_record(rec)
+
+
+def _score(rec: dict, key: str) -> tuple:
+    """(mean, standard error) of `key` in an eval record; the SE from `<key>_se`, else from
+    the width of `<key>_ci95` (a 95% interval: 2 x 1.96 SEs), else None."""
+    mean = rec.get(key)
+    se = rec.get(f"{key}_se")
+    ci = rec.get(f"{key}_ci95")
+    if se is None and ci is not None and all(x is not None and np.isfinite(x) for x in ci):
+        se = (ci[1] - ci[0]) / (2 * 1.959964)
+    return mean, se
 
 
 def log_with_alarms(monitor: CollapseMonitor, rec: dict, write, announce=None, **tags) -> None:

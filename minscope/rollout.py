@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .chat import chat_format, strip_reasoning
-from .envs.base import Episode, Turn
+from .envs.base import Episode, Turn, turn_noise
 from .kvcache import KVCache, party_cache, session
 from .lean import lean_forward
 from .models import model_device, use_adapter
@@ -49,7 +49,8 @@ def _cache_kwarg(model) -> str:
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_new_tokens: int,
            temperature: float = 1.0, adapter_names: list[str] | None = None,
-           cache: KVCache | None = None, owners: list | None = None, check_every: int = 4):
+           cache: KVCache | None = None, owners: list | None = None, check_every: int = 4,
+           uniforms: torch.Tensor | None = None):
     """Sample continuations of many prompts in one batch.
 
     temperature 0 means greedy. Returns (token ids, log-probs) per prompt; each list stops
@@ -63,6 +64,10 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
 
     Tokens stay on the device; every `check_every` tokens the finished flags are copied to
     the host once, rows that hit EOS leave the decode batch and the loop ends when all did.
+
+    uniforms: [B, max_new_tokens] numbers in [0, 1): sample by inverse CDF, token t of row i
+    being the first whose cumulative probability exceeds uniforms[i, t], instead of drawing
+    from torch's generator (the collapse meter holds a party's noise fixed this way).
     """
     device = model_device(model)
     model.eval()          # generation is inference (and peft's per-row adapters require it)
@@ -89,6 +94,7 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
     out_ids = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=device)
     out_logp = torch.zeros((B, max_new_tokens), device=device)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+    uniforms = None if uniforms is None else uniforms.to(device)
     row = torch.arange(B, device=device)              # the prompt of each row being decoded
     next_pos = torch.tensor([len(p) for p in prompts], device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
@@ -96,7 +102,12 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
     for t in range(max_new_tokens):
         if temperature > 0:
             logprobs = torch.log_softmax(logits / temperature, dim=-1)
-            token = torch.multinomial(logprobs.exp(), 1).squeeze(1)      # [b]
+            if uniforms is None:
+                token = torch.multinomial(logprobs.exp(), 1).squeeze(1)      # [b]
+            else:
+                cdf = logprobs.exp().cumsum(-1)
+                u = uniforms[row, t, None].to(cdf.dtype)
+                token = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
         else:
             logprobs = torch.log_softmax(logits, dim=-1)
             token = logprobs.argmax(-1)
@@ -328,6 +339,7 @@ class LMSpeaker:
     """
 
     reuse_cache = True     # keep the KV cache between turns (False: re-feed the whole stream)
+    holds_noise = True     # samples with an episode's fixed noise when it has one (envs.base.turn_noise)
 
     def __init__(self, model, tokenizer, role: str, adapter=None, temperature: float = 1.0,
                  max_new_tokens: int = 64, name: str | None = None, system_suffix: str = "",
@@ -390,6 +402,11 @@ class LMSpeaker:
         names = [self.adapter_of(ep) for ep in episodes]
         kwargs = dict(pad_id=self.tokenizer.pad_token_id, eos_ids=self.eos, cache=cache, owners=episodes,
                       max_new_tokens=self.max_new_tokens, temperature=self.temperature)
+        noise = [turn_noise(ep, self.role) for ep in episodes]
+        if any(n is not None for n in noise):   # the collapse meter holds this party's noise fixed
+            if not all(n is not None for n in noise):
+                raise ValueError("a batch mixes episodes with and without fixed sampling noise")
+            kwargs["uniforms"] = torch.tensor([n.random(self.max_new_tokens).tolist() for n in noise])
         if len(set(names)) == 1:
             with use_adapter(self.model, names[0]):
                 ids, logps = sample(self.model, prompts, **kwargs)

@@ -98,6 +98,20 @@ def test_cotraining_starts_from_the_aligned_model_at_the_rollout_temperature(cac
     assert old.partner.temperature == 1.0 / cfg.gamma
 
 
+def test_simulator_optimiser_knobs_reach_its_update(cache):
+    """sim_beta / sim_weight_decay / sim_epochs: today's values by default, the paper's on request."""
+    import dataclasses
+
+    cfg = tiny_config("toy", methods=("base",))
+    default = experiment.Toy(cfg, cache, progress=False).method("cotrain", 0)
+    assert (default.sim_cfg.beta, default.sim_cfg.weight_decay, default.sim_cfg.epochs) == (0.0, 0.0, 2)
+    paper = dataclasses.replace(cfg, sim_beta=0.005, sim_weight_decay=0.1, sim_epochs=1)
+    m = experiment.Toy(paper, cache, progress=False).method("population", 0)
+    assert (m.sim_cfg.beta, m.sim_cfg.weight_decay, m.sim_cfg.epochs) == (0.005, 0.1, 1)
+    assert m.sim_opt.param_groups[0]["weight_decay"] == 0.1
+    assert m.policy_cfg.beta == cfg.beta and m.policy_cfg.epochs == cfg.epochs   # the policy's: untouched
+
+
 def test_existing_run_is_not_overwritten_without_resume(tmp_path, cache):
     cfg = tiny_config("toy", methods=("base",))
     experiment.run(cfg, tmp_path, cache, log=lambda *a: None, progress=False)

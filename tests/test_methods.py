@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from minscope.envs.base import Episode, Turn
+from minscope.envs.base import Episode, Turn, turn_noise
 from minscope.envs.toy import RealUsers, SharpenedUsers, ToyEnv, ACTS
 from minscope.envs.wordgame import Asker, WordGame
-from minscope.evaluate import collapse_meter
+from minscope.evaluate import collapse_meter, open_loop_meter
 from minscope.methods import METHODS, build_method, train_step
 from minscope.models import adapter_state, add_adapters, build_tiny_model
 from minscope.rollout import LMSpeaker, rollout
@@ -278,6 +278,7 @@ def test_a_non_finite_anchor_step_is_skipped_and_counted(parts, tokenizer, monke
 
 class FixedActs:
     name = "fixed"
+    holds_noise = True          # deterministic: nothing to hold
 
     def __init__(self, acts):
         self.acts = acts
@@ -358,11 +359,13 @@ class CoinGame:
 
 
 class Coin:
+    holds_noise = True
+
     def __init__(self, role, seed):
         self.role, self.name, self.rng = role, f"coin-{role}", np.random.default_rng(seed)
 
     def respond(self, episodes, env):
-        return [Turn(self.role, str(self.rng.integers(2))) for _ in episodes]
+        return [Turn(self.role, str((turn_noise(ep, self.role) or self.rng).integers(2))) for ep in episodes]
 
 
 @pytest.mark.parametrize("rule, sim_side, agent_side", [
@@ -401,12 +404,28 @@ class NamedMembers:
         return [Turn("partner", "0" if ep.partner_name == "m0" else "1") for ep in episodes]
 
 
-def test_collapse_meter_resamples_the_member_that_served_each_episode():
+def test_collapse_meter_resamples_the_member_and_asks_the_serving_one_for_the_mode():
+    """Which member serves an episode is the simulator's randomness: the closed-loop meter
+    draws it afresh every episode (R = 1 unless m0 serves: sim-side 0.16, agent-side 0),
+    and the open-loop one pins it. The mode probability asks the member that served."""
     env = CoinGame(lambda a, s: s)
     partner = NamedMembers()
-    collapse_meter(env, Coin("agent", 0), partner, env.tasks(), n_ref=3, n_resample=4, n_mode=3)
+    meter = collapse_meter(env, Coin("agent", 0), partner, env.tasks(), n_ref=50, n_resample=8, n_mode=3)
+    assert meter["sim_side_var"] == pytest.approx(0.16, abs=0.03) and abs(meter["agent_side_var"]) < 0.02
+    assert meter["mode_prob"] == 1.0          # each member always says the same
+    partner.served.clear()
+    open_loop_meter(env, Coin("agent", 0), partner, env.tasks(), n_ref=3, n_resample=4, n_mode=3)
     members = {task: {name for t, name in partner.served if t == task} for task in env.tasks()}
     assert all(len(names) == 1 for names in members.values()), members
+
+
+def test_collapse_meter_refuses_an_agent_whose_noise_it_cannot_hold():
+    class Plain:
+        def respond(self, episodes, env):
+            return [Turn("agent", "0") for _ in episodes]
+    env = CoinGame(lambda a, s: s)
+    with pytest.raises(ValueError, match="holds the agent's sampling noise fixed"):
+        collapse_meter(env, Plain(), Coin("partner", 1), env.tasks())
 
 
 def test_grpo_update_kl_statistic_ignores_untrained_positions(tokenizer, monkeypatch):

@@ -11,7 +11,8 @@ def train(step, reward=0.5, entropy=1.0, zero_var=0.0):
 
 
 def evaluation(step, panel, real=None, mode=None):
-    rec = {"kind": "eval", "step": step, "panel": panel, "real_users": real}
+    """An eval record; `panel` is the held-out simulators' mean (the toy's "unseen")."""
+    rec = {"kind": "eval", "step": step, "unseen": panel, "real_users": real}
     if mode is not None:
         rec["meter"] = {"mode_prob": mode}
     return rec
@@ -87,6 +88,54 @@ def test_a_resumed_monitor_replays_its_log_and_does_not_repeat_alarms():
     assert alarms + rest == straight
 
 
+def noisy_evaluations(means, rng, n=128):
+    """Eval records of a policy whose real-user reward has these true means, each measured
+    on n episodes (rewards 0 or 0.5: SD 0.245 at mean 0.3, SE 0.022 at n = 128, as the toy's
+    real-user evaluations), with the bootstrap interval the toy logs."""
+    from minscope.evaluate import bootstrap_ci
+
+    out = []
+    for k, m in enumerate(means):
+        rewards = 0.5 * (rng.random(n) < 2 * m)
+        out.append({"kind": "eval", "step": 10 * k, "unseen": None, "real_users": float(rewards.mean()),
+                    "real_users_ci95": bootstrap_ci(rewards, n_boot=500, seed=k)})
+    return out
+
+
+def alarm_rate(means, cfg, runs=150, seed=0):
+    """The share of monitors, each fed one rising training curve and one window of noisy
+    evaluations, that raise divergence_real."""
+    import numpy as np
+
+    rng, fired = np.random.default_rng(seed), 0
+    for _ in range(runs):
+        mon = CollapseMonitor(cfg)
+        for k, rec in enumerate(noisy_evaluations(means, rng)):
+            mon.on_record(train(10 * k - 1, reward=0.3 + 0.1 * k))
+            fired += any(a["signal"] == "divergence_real" for a in mon.on_record(rec))
+    return fired / runs
+
+
+def test_a_flat_policys_noisy_evaluations_rarely_cross_the_fall_threshold():
+    """The same true reward three times: the old fixed 0.02 threshold fires on noise in about a
+    quarter of the windows (0.205-0.24 over 3 x 400), the SE-derived one (z = 2) in 2-4%."""
+    flat = [0.3, 0.3, 0.3]
+    old = alarm_rate(flat, MonitorConfig(fall_z=0.0, min_fall=0.02))
+    new = alarm_rate(flat, MonitorConfig())
+    assert old > 0.15 and new < 0.07, (old, new)
+
+
+def test_a_real_collapse_still_crosses_it():
+    assert alarm_rate([0.3, 0.22, 0.15], MonitorConfig(), runs=60) > 0.9
+
+
+def test_the_fall_threshold_is_z_standard_errors_of_the_difference():
+    mon = CollapseMonitor(MonitorConfig(fall_z=2.0, min_fall=0.02))
+    assert mon.fall_threshold(0.03, 0.04) == pytest.approx(0.1)
+    assert mon.fall_threshold(0.001, 0.001) == 0.02          # never below min_fall
+    assert mon.fall_threshold(None, 0.04) == 0.02            # no SE logged: min_fall alone
+
+
 # ------------------------------------------------------------------ pool diversity
 W, GAMMA = World(), 8.0
 
@@ -101,19 +150,69 @@ def test_exploit_value_inside_exact_users_matches_the_exact_value():
 
 
 def test_pool_diversity_tells_copies_from_distinct_members():
-    n = 400
+    n = 200
     sim_a = member_profile(SharpenedUsers(GAMMA, seed=0), W, GAMMA, n)
-    copies = {f"s{i}": member_profile(SharpenedUsers(GAMMA, seed=i + 1), W, GAMMA, n) for i in range(3)}
+    copies = {f"s{i}": member_profile(SharpenedUsers(GAMMA, seed=i + 1), W, GAMMA, n, episodes=16) for i in range(2)}
     mixed = {"s0": copies["s0"], "real": member_profile(RealUsers(seed=7), W, GAMMA, n)}
     same = pool_diversity(copies, sim_a, W, GAMMA)
     diff = pool_diversity(mixed, sim_a, W, GAMMA)
     assert same["pairwise_tv"] < 0.05 and same["tv_sim_a"] < 0.05          # sampling noise only
-    assert diff["pairwise_tv"] > 0.2
+    assert abs(same["pairwise_tv_excess"]) < 0.02
+    assert diff["pairwise_tv_excess"] > 0.2 and diff["excess_by"]["probe"] > 0.4     # the cues
+    assert diff["members"]["real"]["cue_rate"] == pytest.approx(W.cue_rate, abs=0.06)
+    assert diff["members"]["s0"]["cue_rate"] < 0.03
     assert diff["members"]["real"]["tv_real"] < 0.06 < diff["members"]["real"]["tv_sim_a"]
     assert diff["members"]["real"]["exploit_value"] < diff["members"]["s0"]["exploit_value"] - 0.4
     assert same["sim_a_exploit_value"] == sim_a["exploit_value"]
     one = pool_diversity({"s0": copies["s0"]}, sim_a, W, GAMMA)
     assert one["pairwise_tv"] is None and one["tv_sim_a"] == same["members"]["s0"]["tv_sim_a"]
+
+
+class Modal:
+    """A deterministic member: the real users' most likely reply everywhere, except that a
+    revealing one names its persona's first cue when probed."""
+
+    def __init__(self, reveal=False):
+        self.reveal = reveal
+
+    def respond(self, episodes, env):
+        from minscope.envs.base import Turn
+        from minscope.envs.toy import ACTS, CUES, history_from_turns
+
+        out = []
+        for ep in episodes:
+            h = history_from_turns(ep.turns)
+            p = W.reply_dist(ep.task.persona, h)
+            text = CUES[ep.task.persona][0] if self.reveal and h == (ACTS["probe"],) else max(p, key=p.get)
+            out.append(Turn("partner", text))
+        return out
+
+
+def test_deterministic_members_read_their_exact_tv_with_a_zero_floor():
+    """Two members that differ only at the probe: the floor is 0, the excess is exactly the
+    share of tables that differ, all of it at the probe; the cue rates are 1 and 0."""
+    from minscope.diversity import diversity_histories
+    from minscope.envs.toy import ACTS
+
+    hidden, revealing = (member_profile(Modal(r), W, GAMMA, n=8, episodes=8) for r in (False, True))
+    d = pool_diversity({"hidden": hidden, "revealing": revealing}, hidden, W, GAMMA)
+    n_hist = len({h for hs in diversity_histories(W, GAMMA).values() for h in hs})
+    assert d["pairwise_floor"] == 0.0 and d["pairwise_tv"] == d["pairwise_tv_excess"] == pytest.approx(1 / n_hist)
+    probe = (ACTS["probe"],)          # the upsell opens with the probe: a third of its tables differ
+    assert d["excess_by"] == {g: pytest.approx(hs.count(probe) / len(hs)) for g, hs in diversity_histories(W, GAMMA).items()}
+    assert d["excess_by"]["probe"] == 1.0 and d["excess_by"]["upsell"] == pytest.approx(1 / 3)
+    assert d["members"]["revealing"]["cue_rate"] == 1.0 and d["members"]["hidden"]["cue_rate"] == 0.0
+    assert d["real_cue_rate"] == pytest.approx(W.cue_rate) and set(d["exploit_values"]) >= {"upsell", "big_small_big"}
+
+
+def test_identical_members_read_no_diversity_above_the_floor():
+    """Copies of the gamma-2 users at 32 replies: raw pairwise TV ~0.12, all of it noise.
+    Over 8 pairs the excess had mean -0.005..+0.005 and SD <= 0.010 at gamma 1-8."""
+    copies = {f"s{i}": member_profile(SharpenedUsers(2.0, seed=i + 1), W, GAMMA, n=32, episodes=16) for i in range(3)}
+    d = pool_diversity(copies, copies["s0"], W, GAMMA)
+    assert d["pairwise_tv"] > 0.08                            # what the uncorrected TV shows
+    assert abs(d["pairwise_tv_excess"]) < 0.04
+    assert d["pairwise_floor"] == pytest.approx(d["pairwise_tv"], abs=0.04)
 
 
 def test_relog_reproduces_the_live_log_and_applies_other_thresholds():

@@ -60,6 +60,8 @@ EXPECTED = {
         "snapshot at step 8: pool holds the snapshots of steps [4, 6, 8]",
         "6 steps in", "mean pairwise TV between pool members:",
         "the exploit, real users     simulator-side", "(exact 0.182)", "(exact 0.012)", "(exact 0.099)",
+        "best adaptive persuader, real users: exact simulator-side 0.151, agent-side 0.000",
+        "closed loop (Eq. 6)", "above the floor",
     ],
     "06_real_models": [
         "re-rendered conversation starts with the turn-1 stream: False",

@@ -233,6 +233,23 @@ def test_refusals_read_as_zero(text):
     assert parse_donation(text) == 0.0
 
 
+@pytest.mark.parametrize("text, amount", [
+    ("I donated $20 last year, but I can't give $2 now.", 0.0),   # a past gift, then a negated pledge
+    ("I won't donate $2", 0.0),
+    ("I would not donate $2.", 0.0),
+    ("I'm not going to give $1.", 0.0),
+    ("I can't give a dollar, maybe 50 cents.", 0.5),
+    ("I can't give $2 or $1.", 0.0),
+    ("I gave $5 to a food bank yesterday, so I'll give $1 now.", 1.0),
+    ("I've already donated $2 to them before, but I will donate 50 cents.", 0.5),
+    ("I have given it some thought, I'll give $1.", 1.0),
+    ("I think I would donated to donate .50", 0.5),             # a modal: not the past tense
+    ("I can't give more than $1.", None),                          # a limit, not an amount
+])
+def test_negated_and_past_gifts_are_not_pledges(text, amount):
+    assert parse_donation(text) == amount
+
+
 @pytest.mark.parametrize("text", [
     "Hi! How are you today?",
     "Would $1 be enough?",

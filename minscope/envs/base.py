@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 @dataclass
 class Turn:
@@ -47,6 +49,18 @@ class Episode:
     def transcript(self, names=("agent", "partner")) -> str:
         label = {"agent": names[0], "partner": names[1], "env": "env"}
         return "\n".join(f"{label[t.role]}: {t.text}" for t in self.turns)
+
+
+def turn_noise(episode: Episode, role: str) -> np.random.Generator | None:
+    """The random stream of `role`'s next turn in `episode` when the episode holds that
+    party's sampling noise fixed, else None. The seed is `episode.info["noise"][role]` (set by
+    `evaluate.collapse_meter`); the stream depends only on it and on how many turns `role` has
+    taken, so episodes that share a seed give the party the same draws turn by turn, whatever
+    the other party answered: the party still reacts to what it hears, with the same noise."""
+    seed = episode.info.get("noise", {}).get(role)
+    if seed is None:
+        return None
+    return np.random.default_rng([int(seed), sum(t.role == role for t in episode.turns)])
 
 
 @dataclass

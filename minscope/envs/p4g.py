@@ -43,10 +43,12 @@ MAX_DONATION = 2.0
 #     contribute, pledge, spare, "I'll do", "go with", ...) — past tense ("I donated $20
 #     last year") is not intent;
 #   - an amount right after "of"/"out of"/"from" is the base ("$1 of my $2"), not a gift;
-#   - an amount that is the object of a negated giving verb ("I can't give $2") or of
-#     "keep" ("I'll keep my full $2") is not a gift; a negated giving verb without a
-#     partial object ("I won't donate", not "I can't give more") or "I'd rather keep it"
-#     is a refusal, i.e. $0;
+#   - an amount that is the object of a negated giving verb ("I can't give $2"), of "keep"
+#     ("I'll keep my full $2") or of a past gift ("I donated $20 last year, but ...", "I've
+#     given $5 before") is not a gift; a negated giving verb is a refusal, i.e. $0 ("I won't
+#     donate", "I won't donate $2"), unless its object is partial ("I can't give more",
+#     "... all of it": no amount stated) or a later amount follows ("I can't give $2, but
+#     I'll give $1" is $1); "I'd rather keep it" is a refusal too;
 #   - "0.50 cents" means fifty cents (nobody pledges part of a cent).
 #
 # Any text parses without an exception in time linear in its length: a number never starts
@@ -122,9 +124,17 @@ _NEGATED_GIVING = _rx(
     r"(?:(?:really|think|want|wanna|plan|intend|to|be|i|i'?ll|will|feel|like|able|going|gonna",
     r"|comfortable|afford|actually|willing|interested|in|make|making|a|any|do|am|would|need)\s+){0,4}",
     r"(?:donate|donating|donation|give|giving|contribute|contributing)\b")
-# After a negated giving verb these words make the refusal partial ("can't give more").
-_PARTIAL = _rx(r"\s*(?:\$|\d|(?:any\s*)?more\b|much\b|that\s+much|a\s+lot|all\b",
-               r"|the\s+(?:whole|full|entire)|everything|as\s+much|(?:a|one|two)\s+dollar|half)")
+# After a negated giving verb these words make the refusal partial ("can't give more"): no
+# amount is stated. A negated amount ("I won't donate $2", "can't give a dollar") is a
+# refusal of it and reads 0 unless a later amount follows ("..., but I'll give $1").
+_PARTIAL = _rx(r"\s*(?:(?:any\s*)?more\b|much\b|that\s+much|a\s+lot|all\b",
+               r"|the\s+(?:whole|full|entire)|everything|as\s+much|half)")
+# A gift in the past ("I donated $20 last year", "I've given to them before") states
+# nothing about this one: amounts that are its object are not read.
+_PAST_GIVING = _rx(r"(?<!would\s)(?<!will\s)(?<!could\s)(?<!can\s)(?<!to\s)",   # "I would donated .50": a typo, not the past
+                   r"\b(?:donated|gave|contributed",
+                   r"|(?:have|has|had|i'?ve|we'?ve)\s+(?:already\s+|also\s+|just\s+)?(?:donated|given|contributed)",
+                   r"|used\s+to\s+(?:donate|give|contribute))\b")
 _REFUSAL = _rx(r"\b(?:no\s+donation|(?:donate|give)\s+(?:nothing|zero)|nothing\s+to\s+(?:donate|give)",
                r"|keep\s+(?:all\b|it\b|my\b|the\s+(?:whole|full|entire|money|\$?2))",
                r"|i'?ll\s+pass\b|i\s+will\s+pass\b",
@@ -176,7 +186,8 @@ def _statement_events(sentence: str) -> list[tuple[int, float]]:
     refusals = list(_REFUSAL.finditer(sentence))
     events += [(m.start(), 0.0) for m in refusals]
     if _INTENT.search(sentence):
-        blockers = [(b, [m.end() for m in b]) for b in (negations, refusals)]
+        past = list(_PAST_GIVING.finditer(sentence))
+        blockers = [(b, [m.end() for m in b]) for b in (negations, refusals, past)]
         taken = bytearray(len(sentence))    # 1 where an earlier pattern already read an amount
         for pattern, value in _AMOUNTS:
             for m in pattern.finditer(sentence):
@@ -187,7 +198,7 @@ def _statement_events(sentence: str) -> list[tuple[int, float]]:
                 if _is_base(sentence, start):
                     continue          # "$1 of my $2": the $2 is the base, not a gift
                 if any(_is_object_of(sentence, start, b, ends) for b, ends in blockers):
-                    continue          # "I can't give $2", "keep my full $2": not a gift
+                    continue          # "I can't give $2", "keep my full $2", "I gave $5": not this gift
                 events.append((start, value(m)))
     return sorted(events)
 

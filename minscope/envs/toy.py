@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import Environment, Episode, Step, Turn
+from .base import Environment, Episode, Step, Turn, turn_noise
 
 # ---------------------------------------------------------------------------- vocabulary
 
@@ -301,6 +301,38 @@ class World:
         values = np.array([value(i, ()) for i in range(len(PERSONAS))])
         return values if per_persona else float(mix @ values)
 
+    def variance_parts(self, cells, reply_dist=None) -> dict:
+        """Eq. 6 exactly, per persona then averaged over personas (uniformly, as the collapse
+        meter averages over tasks): `cells` = [(weight, policy)], the agent's noise split into
+        cells on each of which it is a deterministic policy (history -> act key), weights
+        summing to 1. Returns {"sim_side_var": E_cell[Var_sim(R | cell)], "agent_side_var":
+        Var_cell(E_sim[R | cell]), "total_var"} with every reply enumerated."""
+        reply_dist = reply_dist or self.reply_dist
+
+        def moments(policy, persona, history=()):
+            if len(history) == 2 * self.n_turns:
+                r = self.reward(history)
+                return r, r * r
+            h = history + (ACTS[policy(history)],)
+            m1 = m2 = 0.0
+            for reply, pr in reply_dist(persona, h).items():
+                a, b = moments(policy, persona, h + (reply,))
+                m1, m2 = m1 + pr * a, m2 + pr * b
+            return m1, m2
+
+        w = np.array([c[0] for c in cells], dtype=float)
+        if abs(w.sum() - 1) > 1e-9:
+            raise ValueError(f"the cells' weights must sum to 1, got {w.sum()}")
+        sim, agent, total = [], [], []
+        for persona in range(len(PERSONAS)):
+            m = np.array([moments(policy, persona) for _, policy in cells])     # [cells, 2]
+            mean = w @ m[:, 0]
+            sim.append(w @ (m[:, 1] - m[:, 0] ** 2))
+            agent.append(w @ (m[:, 0] - mean) ** 2)
+            total.append(w @ m[:, 1] - mean ** 2)
+        return {"sim_side_var": float(np.mean(sim)), "agent_side_var": float(np.mean(agent)),
+                "total_var": float(np.mean(total))}
+
     def best_fixed(self, reply_dist=None):
         """(value, act sequence) of the best fixed sequence of acts (enumerated)."""
         best = (-1.0, None)
@@ -496,6 +528,25 @@ class ToyEnv(Environment):
         prompts = [AGENT_PROMPT] + [self.partner_messages(t)[0]["content"] for t in self.world.tasks]
         return (list(ACTS.values()) + list(REPLIES)) * 4 + prompts
 
+
+
+class ScriptedPersuader:
+    """A persuader given by `policy(history, u) -> act key`, u a uniform draw per turn: from
+    the episode's fixed noise when it has one (`envs.base.turn_noise`, the collapse meter),
+    else from its own generator. A policy that ignores u is deterministic; one that reads u
+    through thresholds is a finite mixture of deterministic policies (`World.variance_parts`
+    values it exactly)."""
+    holds_noise = True
+
+    def __init__(self, policy, seed: int = 0, name: str = "scripted"):
+        self.policy, self.rng, self.name = policy, np.random.default_rng(seed), name
+
+    def respond(self, episodes, env=None):
+        out = []
+        for ep in episodes:
+            u = (turn_noise(ep, "agent") or self.rng).random()
+            out.append(Turn("agent", ACTS[self.policy(history_from_turns(ep.turns), u)]))
+        return out
 
 
 class RealUsers:
