@@ -280,10 +280,9 @@ class ServedSpeaker:
     def _read(self, data: bytes, seconds: float) -> str:
         """The reply text of a chat completion; anything else stops the run, naming the endpoint."""
         try:
-            obj = json.loads(data)
+            text, usage, why = _completion(json.loads(data))
         except (ValueError, RecursionError):       # not JSON, or nested deeper than Python recurses
-            obj = None
-        text, usage, why = _completion(obj)
+            text, usage, why = "", (0, 0), "not JSON"
         if why:
             raise ServedError(f"simulator endpoint {self.endpoint} answered without a chat completion ({why}): "
                               f"{_snippet(data)}")
