@@ -352,6 +352,7 @@ def build_app(generator: Generator, name: str, max_tokens: int = 512, api_key: s
     carry it as a bearer token. Bodies over `max_body` bytes are refused before being read."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title=f"minscope simulator {name}")
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
@@ -362,6 +363,10 @@ def build_app(generator: Generator, name: str, max_tokens: int = 512, api_key: s
         first = (exc.errors() or [{}])[0]
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
         return error(400, f"invalid {where!r}: {first.get('msg', 'cannot be read')}", "invalid_type")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):   # a body that is not JSON (or nested too deeply), a wrong path
+        return error(exc.status_code, str(exc.detail), None)
 
     @app.get("/v1/models")
     async def models():

@@ -6,12 +6,14 @@ import json
 import multiprocessing
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -281,3 +283,169 @@ def test_a_bad_served_setting_is_one_message(monkeypatch, var, value, message):
     monkeypatch.setenv(var, value)
     with pytest.raises(SystemExit, match=f"^{var}='{re.escape(value)}': {message}$"):
         ServedSpeaker.from_spec("openai:sim@http://127.0.0.1:9/v1")
+
+
+# --------------------------------------------------------------------------- 11. the server
+KEY = "sk-local-test"
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A tiny model saved as Hugging Face saves one (config.json with model_type): a 1,024-token
+    context, a ChatML template."""
+    from minscope.models import build_tokenizer
+
+    tok = build_tokenizer(WordGame().corpus() + ["hello there", "how are you"], vocab_size=300)
+    model = build_tiny_model(tok, "qwen3", hidden_size=32, seed=0)
+    folder = tmp_path_factory.mktemp("hf") / "tiny-checkpoint"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def guarded(hf_folder):
+    """`python -m minscope.serve FOLDER --api-key KEY` with small limits, on 127.0.0.1."""
+    from minscope.serve import make_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv, banner = make_server([str(hf_folder), "--name", "sim", "--port", str(port), "--api-key", KEY,
+                               "--max-body-bytes", "65536", "--max-messages", "8"])
+    threading.Thread(target=srv.run, daemon=True).start()
+    while not srv.started:
+        time.sleep(0.01)
+    yield banner, f"http://127.0.0.1:{port}/v1", srv.generator
+    srv.should_exit = True
+
+
+def test_a_saved_hugging_face_folder_is_served_as_a_base_model(guarded, hf_folder, tmp_path):
+    """Before: `KeyError: 'policy'` (every folder with a config.json was taken for a run)."""
+    from minscope.serve import is_run_folder
+
+    assert guarded[0].startswith(f"serving base model {hf_folder} as model 'sim' at http://127.0.0.1:")
+    assert not is_run_folder(hf_folder)
+    (tmp_path / "config.json").write_text(json.dumps({"env": "p4g", "policy": "Qwen/Qwen3-1.7B", "method": "vs"}))
+    assert is_run_folder(tmp_path)
+
+
+WORDS = " ".join(WordGame().corpus())
+GOOD = {"model": "sim", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
+
+
+@pytest.mark.parametrize("change, status, says", [
+    ({"messages": [{"role": "user", "content": "x" * 70_000}]}, 413, "over 65536 bytes"),
+    ({"messages": [{"role": "user", "content": "hi"}] * 9}, 400, "1 to 8 messages"),
+    ({"n": 17}, 400, "n must be between 1 and 16"),
+    ({"messages": [{"role": "user", "content": (WORDS * 40)[:40_000]}]}, 400, "context is 1024 tokens"),
+    ({"max_tokens": 0}, 400, "max_tokens must be at least 1, not 0"),
+    ({"max_completion_tokens": -5}, 400, "max_tokens must be at least 1, not -5"),
+    ({"chat_template_kwargs": {"enable_thinking": "no"}}, 400, "enable_thinking must be true or false"),
+    ({"temperature": "0.5"}, 400, "invalid 'temperature'"),
+    ({"temperature": 11}, 400, "temperature must be between 0 and 10"),
+    ({"stream": "false"}, 400, "invalid 'stream'"),
+    ({"n": True}, 400, "invalid 'n'"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, 400, "not valid Unicode"),
+    ({"messages": [{"role": 7, "content": "hi"}]}, 400, "invalid 'messages.0.role'"),
+    ({"model": "gpt-4o"}, 404, "does not exist"),
+])
+def test_a_bad_request_gets_its_own_4xx(guarded, change, status, says):
+    """Before: 413 and the limits did not exist (a 40 KB prompt past the context took 2.1 GB
+    and a minute), max_tokens 0 became 512, "no" turned thinking on, "0.5" was a number."""
+    _, url, _ = guarded
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    body = json.dumps({**GOOD, **change})          # "\ud800" travels as the JSON escape it is
+    r = httpx.post(f"{url}/chat/completions", content=body, headers=auth, timeout=60)
+    assert r.status_code == status and says in r.json()["error"]["message"], r.text[:300]
+    assert httpx.post(f"{url}/chat/completions", json=GOOD, headers=auth, timeout=60).status_code == 200
+
+
+def test_a_deeply_nested_body_and_a_missing_key_are_4xx(guarded):
+    _, url, _ = guarded
+    auth = {"Authorization": f"Bearer {KEY}"}
+    deep = '{"model": "sim", "messages": [], "x": ' + "[" * 30_000 + "]" * 30_000 + "}"
+    r = httpx.post(f"{url}/chat/completions", content=deep, headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 400 and "error parsing the body" in r.json()["error"]["message"]
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        assert httpx.post(f"{url}/chat/completions", json=GOOD, headers=headers).status_code == 401
+        assert httpx.get(f"{url}/models", headers=headers).status_code == 401
+    # minscope's own client sends the key
+    assert len(ServedSpeaker.from_spec(f"openai:sim@{url}", key=KEY, max_new_tokens=3).complete(
+        [[{"role": "user", "content": "hello"}]])[0]) >= 0
+
+
+def test_a_server_beyond_loopback_needs_an_api_key(monkeypatch):
+    from minscope.serve import make_server
+
+    monkeypatch.delenv("MINSCOPE_API_KEY", raising=False)
+    with pytest.raises(SystemExit, match="--host 0.0.0.0 listens beyond this machine: give --api-key"):
+        make_server(["no-model-is-loaded", "--host", "0.0.0.0"])
+
+
+def gated(generator):
+    """Hold the worker in its first batch until the gate opens; record batch sizes."""
+    sizes, gate, real = [], threading.Event(), generator.answer
+
+    def answer(jobs):
+        sizes.append(len(jobs))
+        gate.wait(20)
+        return real(jobs)
+    generator.answer = answer
+    return sizes, gate
+
+
+def test_one_bad_request_in_a_batch_fails_alone(hf_folder):
+    """A batch of a good request, a lone surrogate, temperature 5e-324, a prompt past the
+    context and one that breaks generation. Before: every request of the batch failed."""
+    from minscope.serve import Generator, Job, RequestError
+    from minscope.models import load_model
+
+    model, tok = load_model(str(hf_folder))
+    gen = Generator(model, tok, max_batch=8)
+    sizes, gate = gated(gen)
+    hello = [{"role": "user", "content": "hello there"}]
+    first = gen.submit(Job(hello, 0.0, 3))
+    while not sizes:
+        time.sleep(0.005)
+    real = gen._sample
+    gen._sample = lambda rows: (real(rows) if all(len(r[0]) != 999 for r in rows)
+                                else (_ for _ in ()).throw(RuntimeError("generation broke")))
+    breaking = Job([{"role": "user", "content": "apple"}], 0.5, 3)
+    gen.checked_prompt = (lambda real_check: lambda job: [1] * 999 if job is breaking else real_check(job))(
+        gen.checked_prompt)
+    jobs = [Job(hello, 0.0, 3), Job([{"role": "user", "content": "\ud800"}], 1.0, 3), Job(hello, 5e-324, 3),
+            Job([{"role": "user", "content": WORDS * 20}], 1.0, 3), breaking]
+    futures = [gen.submit(j) for j in jobs]
+    gate.set()
+    want = first.result(30)["choices"][0]["message"]["content"]
+    assert futures[0].result(30)["choices"][0]["message"]["content"] == want
+    assert futures[2].result(30)["choices"][0]["message"]["content"] == want        # 5e-324 is greedy
+    with pytest.raises(TypeError):                    # the tokenizer refuses it (the server says 400 first)
+        futures[1].result(30)
+    with pytest.raises(RequestError, match="context is 1024 tokens"):
+        futures[3].result(30)
+    with pytest.raises(RuntimeError, match="generation broke"):
+        futures[4].result(30)
+    assert sizes == [1, 5]
+
+
+def test_the_batching_thread_outlives_a_cancelled_request(hf_folder):
+    """A request whose client went away is cancelled while it waits. Before: the worker
+    thread died on it (InvalidStateError), and the server never answered again."""
+    from minscope.serve import Generator, Job
+    from minscope.models import load_model
+
+    model, tok = load_model(str(hf_folder))
+    gen = Generator(model, tok, max_batch=8)
+    sizes, gate = gated(gen)
+    hello = [{"role": "user", "content": "hello there"}]
+    first = gen.submit(Job(hello, 0.0, 3))
+    while not sizes:
+        time.sleep(0.005)
+    gone = gen.submit(Job(hello, 0.0, 3))
+    assert gone.cancel()
+    kept = gen.submit(Job(hello, 0.0, 3))
+    gate.set()
+    assert first.result(30) and kept.result(30)
+    assert gen.submit(Job(hello, 0.0, 3)).result(30)["choices"]
