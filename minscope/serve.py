@@ -395,4 +395,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    # run the imported module, not this `__main__` copy: serve_app's RequestError and Job
+    # must be the classes the Generator raises and takes
+    from minscope.serve import main as serve_main
+    serve_main()

@@ -449,3 +449,19 @@ def test_the_batching_thread_outlives_a_cancelled_request(hf_folder):
     gate.set()
     assert first.result(30) and kept.result(30)
     assert gen.submit(Job(hello, 0.0, 3)).result(30)["choices"]
+
+
+@pytest.mark.filterwarnings("ignore:'minscope.serve' found in sys.modules")   # runpy's, for a loaded module
+def test_python_m_minscope_serve_runs_the_imported_module(monkeypatch):
+    """`python -m minscope.serve` executes serve.py as `__main__`, a second copy of the module,
+    whose RequestError is not the one serve_app catches (a prompt past the context came back
+    as a 500 from the command). The command runs the imported module's main instead.
+    (bench/hostile_serving.py runs the command itself.)"""
+    import runpy
+
+    import minscope.serve as serve
+
+    called = []
+    monkeypatch.setattr(serve, "main", lambda: called.append(True))
+    runpy.run_module("minscope.serve", run_name="__main__")
+    assert called == [True]
