@@ -14,8 +14,8 @@ model is a tiny random Qwen3 with a 1,024-token context (CPU). Measured:
   client   a server trickling one byte per 0.1 s (for at most --trickle-s s) against a 1 s
            timeout: seconds until the request returns; a gzip bomb (--bomb-mb MB of JSON in
            about a thousandth of that): the turn's length or the error, this process's peak
-           RSS; a stop (one request refused, three hanging for 60 s): seconds from the
-           ServedError to the process's exit (at most 60)
+           RSS; a stop (one request refused, three hanging for 60 s each try): seconds to
+           the ServedError and from it to the process's exit (waited for at most --stop-s)
 
 Every loop is bounded; nothing listens beyond 127.0.0.1.
 """
@@ -45,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--repo", type=Path, default=HERE, help="the checkout whose minscope is measured (default: this one)")
     p.add_argument("--kb", type=int, default=40, help="size of the long prompt in KB (default 40)")
     p.add_argument("--trickle-s", type=float, default=20.0, help="how long the trickling server trickles (default 20)")
+    p.add_argument("--stop-s", type=float, default=120.0, help="how long to wait for the stopped process (default 120)")
     p.add_argument("--bomb-mb", type=int, default=200, help="decoded size of the gzip bomb in MB (default 200)")
     return p.parse_args(argv)
 
@@ -73,28 +74,59 @@ def tiny_model(folder: Path) -> str:
     return " ".join(WordGame().corpus())
 
 
+LAUNCH = """
+import sys, uvicorn
+from minscope.models import load_model
+from minscope.serve import Generator
+try:
+    from minscope.serve_app import build_app
+except ImportError:
+    from minscope.serve import build_app
+model, tok = load_model(sys.argv[1])
+uvicorn.run(build_app(Generator(model.eval(), tok), "sim"), host="127.0.0.1", port=int(sys.argv[2]),
+            log_level="warning")
+"""
+
+
+def start_server(cmd, repo, env):
+    """(process, base URL) of a server started with `python CMD --port P`, once it answers;
+    (None, its last error line) if it exits first."""
+    import httpx
+
+    port = free_port()
+    argv = [sys.executable, *cmd, *(["--port"] if cmd[0] == "-m" else []), str(port)]
+    proc = subprocess.Popen(argv, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.time() + 300                  # a loaded machine loads a model slowly
+    while True:
+        try:
+            httpx.get(f"{url}/models", timeout=1)
+            return proc, url
+        except httpx.TransportError:
+            if proc.poll() is not None:
+                lines = [ln for ln in proc.stderr.read().splitlines() if ln.strip()]
+                return None, (lines[-1] if lines else f"exited {proc.returncode}")
+            if time.time() > deadline:
+                proc.kill()
+                raise SystemExit("the server did not start") from None
+            time.sleep(0.2)
+
+
 def server_cases(repo: Path, kb: int):
     import httpx
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         words = tiny_model(folder)
-        port = free_port()
         env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
         env.pop("MINSCOPE_API_KEY", None)
-        proc = subprocess.Popen([sys.executable, "-m", "minscope.serve", str(folder), "--name", "sim", "--port",
-                                 str(port)], cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}/v1"
+        proc, url = start_server(["-m", "minscope.serve", str(folder), "--name", "sim"], repo, env)
+        if proc is None:     # a checkout that cannot serve a Hugging Face folder: serve it from Python
+            print(f"server: python -m minscope.serve {folder.name}/ (a saved Hugging Face model): {url}")
+            proc, url = start_server(["-c", LAUNCH, str(folder)], repo, env)
+        else:
+            print(f"server: python -m minscope.serve {folder.name}/ (a saved Hugging Face model): serving")
         try:
-            deadline = time.time() + 300                  # a loaded machine loads a model slowly
-            while True:
-                try:
-                    httpx.get(f"{url}/models", timeout=1)
-                    break
-                except httpx.TransportError:
-                    if proc.poll() is not None or time.time() > deadline:
-                        raise SystemExit("the server did not start") from None
-                    time.sleep(0.2)
             post = lambda body, **kw: httpx.post(f"{url}/chat/completions", content=body,  # noqa: E731
                                                  headers={"Content-Type": "application/json"}, timeout=600)
             hello = {"model": "sim", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
@@ -155,7 +187,7 @@ except ServedError:
 """
 
 
-def client_cases(repo: Path, trickle_s: float, bomb_mb: int):
+def client_cases(repo: Path, trickle_s: float, bomb_mb: int, stop_s: float):
     from minscope.served import ServedSpeaker
 
     def outcome(call):
@@ -210,14 +242,16 @@ def client_cases(repo: Path, trickle_s: float, bomb_mb: int):
         else:
             time.sleep(60)
     peer = Peer(refuse_one)
+    started = time.time()
     proc = subprocess.Popen([sys.executable, "-c", STOP, peer.url], stdout=subprocess.PIPE, text=True, cwd=repo,
                             env={**os.environ, "PYTHONPATH": str(repo)})
-    stopped = float(proc.stdout.readline() or "nan")
     try:
-        proc.wait(timeout=60)
-        print(f"client: a stop with 3 requests hanging: the process exited {time.time() - stopped:.1f} s after it")
+        proc.wait(timeout=stop_s)
+        stopped = float(proc.stdout.read().strip() or "nan")
+        print(f"client: a stop with 3 requests hanging: ServedError {stopped - started:.1f} s after the start, "
+              f"the process exited {time.time() - stopped:.1f} s after it")
     except subprocess.TimeoutExpired:
-        print("client: a stop with 3 requests hanging: the process had not exited 60 s after it")
+        print(f"client: a stop with 3 requests hanging: the process was still running {stop_s:g} s after its start")
     proc.kill()
     proc.wait()
     peer.close()
@@ -229,7 +263,7 @@ def main(argv=None):
     sys.path.insert(0, str(repo))
     print(f"minscope of {repo}")
     server_cases(repo, args.kb)
-    client_cases(repo, args.trickle_s, args.bomb_mb)
+    client_cases(repo, args.trickle_s, args.bomb_mb, args.stop_s)
 
 
 if __name__ == "__main__":
