@@ -223,8 +223,13 @@ class Generator:
         return out
 
     def checked_prompt(self, job: Job) -> list[int]:
-        """The job's prompt ids; a prompt that fills the model's context is refused."""
-        ids = self.prompt(job)
+        """The job's prompt ids; a prompt that fills the model's context is refused, and so
+        are messages the chat template or the tokenizer cannot take (the request's doing)."""
+        try:
+            ids = self.prompt(job)
+        except Exception as e:  # noqa: BLE001 - jinja's and the tokenizer's errors vary
+            raise RequestError(f"the messages cannot be formatted for this model ({type(e).__name__}: "
+                               f"{str(e)[:200]})") from None
         if self.max_context and len(ids) >= self.max_context:
             raise RequestError(f"this model's context is {self.max_context} tokens; the messages are "
                                f"{len(ids)} tokens. Shorten them", code="context_length_exceeded")

@@ -168,4 +168,7 @@ def _text_content(content) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+    if not all(isinstance(t, str) for t in texts):
+        raise RequestError("a content part's text must be a string", code="invalid_type")
+    return "".join(texts)

@@ -348,6 +348,7 @@ GOOD = {"model": "sim", "messages": [{"role": "user", "content": "hello there"}]
     ({"n": True}, 400, "invalid 'n'"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, 400, "not valid Unicode"),
     ({"messages": [{"role": 7, "content": "hi"}]}, 400, "invalid 'messages.0.role'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400, "text must be a string"),
     ({"model": "gpt-4o"}, 404, "does not exist"),
 ])
 def test_a_bad_request_gets_its_own_4xx(guarded, change, status, says):
@@ -421,7 +422,7 @@ def test_one_bad_request_in_a_batch_fails_alone(hf_folder):
     want = first.result(30)["choices"][0]["message"]["content"]
     assert futures[0].result(30)["choices"][0]["message"]["content"] == want
     assert futures[2].result(30)["choices"][0]["message"]["content"] == want        # 5e-324 is greedy
-    with pytest.raises(TypeError):                    # the tokenizer refuses it (the server says 400 first)
+    with pytest.raises(RequestError, match="cannot be formatted"):   # the tokenizer's refusal (HTTP: 400 first)
         futures[1].result(30)
     with pytest.raises(RequestError, match="context is 1024 tokens"):
         futures[3].result(30)
