@@ -190,7 +190,11 @@ class Generator:
         # a request whose client went away was cancelled while it waited: drop it; the others
         # are now running, and can no longer be cancelled under us
         jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]
-        for job, outcome in zip(jobs, self.answer(jobs)):
+        try:
+            outcomes = self.answer(jobs)
+        except Exception as e:  # noqa: BLE001 - whatever it is, every waiting request hears of it
+            outcomes = [e] * len(jobs)
+        for job, outcome in zip(jobs, outcomes):
             if isinstance(outcome, BaseException):
                 job.future.set_exception(outcome)
             else:
