@@ -45,7 +45,6 @@ of the policy's past adapters).
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import itertools
 import json
@@ -62,7 +61,8 @@ from ..toolcalls import ToolCall, parse_tool_calls
 from . import cooperbench_eval as ev
 from .base import Environment, Episode, Step, Turn
 
-TOOL_OUTPUT_CHARS = 4000      # tool results are cut to this many characters (head + tail)
+TOOL_OUTPUT_CHARS = 4000      # tool results (and messages) are cut to this many characters (head + tail)
+SEARCH_TIMEOUT = 10           # seconds a search may take
 LIST_LIMIT = 300              # entries list_files shows
 SEARCH_LIMIT = 50             # matching lines search shows
 SCORE_CACHE = 4096            # pair verdicts remembered (per process)
@@ -173,7 +173,8 @@ TOOLS = [
           {"path": {**_S, "description": "folder relative to the repository root (default '.')"}}),
     _tool("read_file", "Read a file, with line numbers.",
           {"path": _S, "start_line": _I, "end_line": _I}, ["path"]),
-    _tool("search", "Search the repository's files for a regular expression; prints file:line: text.",
+    _tool("search", "Search the repository's files for an extended regular expression (grep -E); "
+          "prints file:line: text.",
           {"pattern": _S, "path": {**_S, "description": "file or folder (default '.')"}}, ["pattern"]),
     _tool("write_file", "Create or overwrite a file with the given content.",
           {"path": _S, "content": _S}, ["path", "content"]),
@@ -213,25 +214,33 @@ def tool_list(tools) -> str:
 
 
 class Workspace:
-    """One coder's clone of the base tree, in a temporary folder."""
+    """One coder's clone of the base tree, in a temporary folder (resolved: see ev.temp_root)."""
 
-    def __init__(self, task: CoopTask, spec: ev.TaskSpec, root: Path):
-        self.dir = Path(tempfile.mkdtemp(prefix="coder-", dir=root))
+    def __init__(self, task: CoopTask, spec: ev.TaskSpec, root: Path, unsafe: bool = False):
+        self.dir = Path(tempfile.mkdtemp(prefix="coder-", dir=root)).resolve()
         self.path, self.base = ev.clone_base(task.repo, task.task_dir, self.dir / "repo")
         self.home = self.dir / "home"
         self.home.mkdir()
-        self.spec = spec
+        self.spec, self.unsafe = spec, unsafe
 
     def resolve(self, rel) -> Path:
         """A path inside the workspace (never its .git); ValueError otherwise."""
         rel = str(rel or ".")
         path = (self.path / rel).resolve()
-        root = self.path.resolve()
-        if path != root and root not in path.parents:
+        if path != self.path and self.path not in path.parents:
             raise ValueError(f"{rel}: outside the repository")
-        if ".git" in path.relative_to(root).parts:
+        if ".git" in path.relative_to(self.path).parts:
             raise ValueError(f"{rel}: the .git folder is not part of the task")
         return path
+
+    def run(self, argv, timeout: float, writable: bool = True) -> tuple[int | None, str, float]:
+        """Model-written code (tests, bash, the model's regex) in the sandbox: the workspace
+        writable (its .git read-only) or, for `writable=False`, only readable."""
+        python = ev.test_python(self.spec)
+        rw = (self.path, self.home) if writable else ()
+        return ev.run_limited(argv, self.path, ev.test_env(self.path, self.spec, self.home), timeout,
+                              writable=rw, readable=(*ev.sandbox.python_dirs(python), *([] if rw else [self.path])),
+                              readonly_inside=(self.path / ".git",), unsafe=self.unsafe)
 
     def patch(self) -> str:
         """Everything this coder changed, new files included."""
@@ -242,19 +251,80 @@ class Workspace:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _lines(path: Path, start=1, end=None) -> str:
+class ToolError(ValueError):
+    """A tool call the tool cannot run (the message goes back to the model)."""
+
+
+def _text(a: dict, key: str, default=None) -> str:
+    """Argument `key` as a string (a missing one: `default`, or an error if there is none)."""
+    value = a.get(key, default)
+    if value is None:
+        raise ToolError(f"the argument `{key}` is required")
+    if not isinstance(value, str):
+        raise ToolError(f"`{key}` must be a string, not {type(value).__name__}")
+    return value
+
+
+def _line(a: dict, key: str) -> int | None:
+    """Argument `key` as a line number (1..10^9), or None when absent."""
+    value = a.get(key)
+    if value is None or value == "":
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10**9:
+        raise ToolError(f"`{key}` must be a line number (a whole number from 1), not {json.dumps(value)[:50]}")
+    return value
+
+
+def _rel(ws: Workspace, a: dict, key: str, default: str) -> tuple[Path, str]:
+    """A workspace path argument, resolved, and its spelling relative to the root as given to
+    a command ("./x": never taken for an option)."""
+    raw = _text(a, key, default)
+    if raw.lstrip().startswith("-"):
+        raise ToolError(f"{key} {raw[:100]!r}: a path must not start with '-'")
+    path = ws.resolve(raw)
+    rel = str(path.relative_to(ws.path))
+    return path, "." if rel == "." else "./" + rel
+
+
+def _lines(path: Path, start=None, end=None) -> str:
     text = path.read_text(errors="replace").splitlines()
-    start = max(1, int(start or 1))
-    end = len(text) if end in (None, "") else min(len(text), int(end))
+    start = start or 1
+    end = len(text) if end is None else min(len(text), end)
     return "\n".join(f"{i:5d}  {text[i - 1]}" for i in range(start, end + 1)) or "(no lines in that range)"
 
 
+def _search(ws: Workspace, a: dict, timeout: float) -> str:
+    """`grep -E` run in the sandbox (read-only, with a timeout): a regex of the model never runs
+    in this process; grep does not follow links inside the folder and the target is in the tree."""
+    pattern = _text(a, "pattern")
+    if not pattern or "\n" in pattern or "\0" in pattern:
+        raise ToolError("`pattern` must be a non-empty one-line regular expression")
+    _, target = _rel(ws, a, "path", ".")
+    rc, out, _ = ws.run(["grep", "-rnHIE", "--exclude-dir=.git", "--color=never", "-m", str(SEARCH_LIMIT),
+                         "-e", pattern, "--", target], min(timeout, SEARCH_TIMEOUT), writable=False)
+    if rc is None:
+        return f"Error: the search took over {min(timeout, SEARCH_TIMEOUT):g} s; use a simpler pattern"
+    if rc == 2:
+        raise ToolError(f"grep: {out.strip()[-300:]}")
+    hits = []
+    for line in out.splitlines()[:SEARCH_LIMIT]:
+        name, _, rest = line.partition(":")
+        number, _, text = rest.partition(":")
+        hits.append(f"{name.removeprefix('./')}:{number}: {text.strip()[:200]}")
+    return "\n".join(hits) or "no matches"
+
+
 def run_tool(ws: Workspace, call: ToolCall, timeout: float, bash: bool) -> tuple[str, bool]:
-    """Execute one file or test tool in `ws`; returns (result text, error?)."""
+    """Execute one file or test tool in `ws`; returns (result text, error?). A malformed call
+    (wrong types, ranges, paths) gets an error message, never an exception."""
     a, name = call.arguments, call.name
+    if not isinstance(a, dict):
+        return f"Error: the arguments of {name} must be an object", True
     try:
         if name == "list_files":
-            top = ws.resolve(a.get("path", "."))
+            top, _ = _rel(ws, a, "path", ".")
             if not top.is_dir():
                 return f"Error: {a.get('path')} is not a folder", True
             entries = []
@@ -268,57 +338,44 @@ def run_tool(ws: Workspace, call: ToolCall, timeout: float, bash: bool) -> tuple
             more = f"\n[... {len(entries) - LIST_LIMIT} more]" if len(entries) > LIST_LIMIT else ""
             return "\n".join(shown) + more, False
         if name == "read_file":
-            path = ws.resolve(a["path"])
+            path, _ = _rel(ws, a, "path", None)
+            start, end = _line(a, "start_line"), _line(a, "end_line")
             if not path.is_file():
                 return f"Error: no file {a['path']}", True
-            return _lines(path, a.get("start_line"), a.get("end_line")), False
+            return _lines(path, start, end), False
         if name == "search":
-            pattern = re.compile(str(a["pattern"]))
-            top = ws.resolve(a.get("path", "."))
-            files = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file() and ".git" not in p.parts)
-            hits = []
-            for f in files:
-                try:
-                    for i, line in enumerate(f.read_text().splitlines(), 1):
-                        if pattern.search(line):
-                            hits.append(f"{f.relative_to(ws.path)}:{i}: {line.strip()[:200]}")
-                except (UnicodeDecodeError, OSError):
-                    continue
-                if len(hits) >= SEARCH_LIMIT:
-                    break
-            return "\n".join(hits[:SEARCH_LIMIT]) or "no matches", False
+            return _search(ws, a, timeout), False
         if name == "write_file":
-            path = ws.resolve(a["path"])
+            path, _ = _rel(ws, a, "path", None)
+            content = _text(a, "content")
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(str(a["content"]))
-            return f"wrote {a['path']} ({len(str(a['content']).splitlines())} lines)", False
+            path.write_text(content)
+            return f"wrote {a['path']} ({len(content.splitlines())} lines)", False
         if name == "replace_in_file":
-            path = ws.resolve(a["path"])
+            path, _ = _rel(ws, a, "path", None)
+            old, new = _text(a, "old"), _text(a, "new")
             if not path.is_file():
                 return f"Error: no file {a['path']}", True
-            text, old = path.read_text(), str(a["old"])
+            text = path.read_text()
             count = text.count(old) if old else 0
             if count != 1:
                 return (f"Error: `old` occurs {count} times in {a['path']}; it must occur exactly once "
                         "(include more surrounding lines)"), True
-            path.write_text(text.replace(old, str(a["new"]), 1))
+            path.write_text(text.replace(old, new, 1))
             return f"replaced 1 occurrence in {a['path']}", False
         if name == "run_tests":
-            target = ws.resolve(a.get("path") or "tests")
-            python = ev.test_python(ws.spec)
-            rc, out, _ = ev.run_limited([python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                         str(target.relative_to(ws.path))], ws.path,
-                                        ev.test_env(ws.path, ws.spec, ws.home), timeout)
+            raw = _text(a, "path", "tests") or "tests"
+            file, _, node = raw.partition("::")           # a test id: path::name
+            _, target = _rel(ws, {"path": file}, "path", "tests")
+            rc, out, _ = ws.run([ev.test_python(ws.spec), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--",
+                                 target + (f"::{node}" if node else "")], timeout)
             status = "timed out" if rc is None else f"exit code {rc}"
             return f"{status}\n{ev.clip(out, TOOL_OUTPUT_CHARS)}", rc != 0
         if name == "bash" and bash:
-            env = ev.test_env(ws.path, ws.spec, ws.home)
-            rc, out, _ = ev.run_limited(["bash", "-c", str(a["command"])], ws.path, env, timeout)
+            rc, out, _ = ws.run(["bash", "-c", _text(a, "command")], timeout)
             return json.dumps({"returncode": rc if rc is not None else -9,
                                "output": ev.clip(out, TOOL_OUTPUT_CHARS)}), rc != 0
-    except KeyError as e:
-        return f"Error: {name} needs the argument {e}", True
-    except (ValueError, OSError, re.error) as e:
+    except (ValueError, TypeError, OverflowError, OSError, UnicodeError, re.error) as e:
         return f"Error: {e}", True
     return f"Error: unknown tool {name!r}", True
 
@@ -334,9 +391,11 @@ class CooperBenchEnv(Environment):
     (`<repo>_task/task<N>`, default all in `data`); subset / test_subset: official subset files
     choosing the training / held-out pairs (held-out pairs are never training pairs; without
     test_subset there is no test split);
-    max_turns: generated turns per coder; bash: also offer the `bash` tool (not a sandbox);
+    max_turns: generated turns per coder; bash: also offer the `bash` tool;
     specs: TaskSpec per task name, for tasks outside `cooperbench_eval.MANIFEST`;
-    tool_timeout: seconds for run_tests and bash.
+    tool_timeout: seconds for run_tests and bash;
+    unsafe_no_sandbox: where bwrap is missing, run the coders' code with this user's rights
+    instead of refusing (EvalError) to start.
     """
 
     name = "cooperbench"
@@ -346,11 +405,17 @@ class CooperBenchEnv(Environment):
     default_simulator_reward = "shared"
 
     def __init__(self, data, repos, tasks=None, subset=None, test_subset=None, max_turns: int = 50,
-                 bash: bool = False, specs: dict | None = None, tool_timeout: float = 120):
+                 bash: bool = False, specs: dict | None = None, tool_timeout: float = 120,
+                 unsafe_no_sandbox: bool = False):
         self.max_turns, self.bash, self.tool_timeout = max_turns, bash, tool_timeout
-        if bash:
-            print("warning: the cooperbench bash tool runs model-written commands with your rights; "
-                  "it is not a sandbox (only its environment is scrubbed)", file=sys.stderr)
+        self.unsafe = unsafe_no_sandbox
+        try:
+            ev.sandbox.check(unsafe_no_sandbox)
+        except ev.sandbox.SandboxUnavailable as e:
+            raise ev.EvalError(str(e)) from None
+        if unsafe_no_sandbox and ev.sandbox.unavailable():
+            print(f"warning: {ev.sandbox.unavailable()}: the coders' tests{' and bash commands' * bash} "
+                  "and the final evaluation run with your rights (--unsafe-no-sandbox)", file=sys.stderr)
         self.task_dirs = find_task_dirs(data, tasks)
         self.specs = {}
         self.repos = {}
@@ -423,9 +488,8 @@ class CooperBenchEnv(Environment):
         spaces = episode.info.setdefault("workspaces", {})
         if role not in spaces:
             if self._root is None or not self._root.exists():
-                self._root = Path(tempfile.mkdtemp(prefix="minscope-coders-"))
-                atexit.register(shutil.rmtree, self._root, True)
-            spaces[role] = Workspace(episode.task, self.specs[episode.task.name], self._root)
+                self._root = ev.temp_root("minscope-coders-")      # (removed at exit and on SIGTERM)
+            spaces[role] = Workspace(episode.task, self.specs[episode.task.name], self._root, self.unsafe)
         return spaces[role]
 
     def after_turn(self, episode: Episode) -> Step:
@@ -456,7 +520,7 @@ class CooperBenchEnv(Environment):
                         text, error = f"{other_name} has already finished; the message was not delivered", True
                     else:
                         state[role]["messages"] += 1
-                        inject.append(Turn("env", f"[Message from {me}]: {content}", to=other,
+                        inject.append(Turn("env", ev.clip(f"[Message from {me}]: {content}", TOOL_OUTPUT_CHARS), to=other,
                                            meta={"tool_name": "message", "from": role}))
                         text, error = f"message sent to {other_name}", False
                 elif name == "submit":
@@ -466,7 +530,7 @@ class CooperBenchEnv(Environment):
                     text, error = run_tool(self.workspace(episode, role), call, self.tool_timeout, self.bash)
             state[role]["tool_errors"] += error
             names.append(name)
-            inject.append(Turn("env", text, to=role, meta={"tool_name": name, "error": error}))
+            inject.append(Turn("env", ev.clip(text, TOOL_OUTPUT_CHARS), to=role, meta={"tool_name": name, "error": error}))
             if state[role]["submitted"]:
                 break                          # nothing after submit runs
         turn.meta["tool_calls"] = names
@@ -500,7 +564,7 @@ class CooperBenchEnv(Environment):
                hashlib.sha1(patch1.encode()).hexdigest(), hashlib.sha1(patch2.encode()).hexdigest())
         if key not in _SCORES:
             _SCORES[key] = ev.evaluate_pair(task.task_dir, task.repo, task.feature1, task.feature2,
-                                            patch1, patch2, spec=spec)
+                                            patch1, patch2, spec=spec, unsafe_no_sandbox=self.unsafe)
             if len(_SCORES) > SCORE_CACHE:
                 _SCORES.popitem(last=False)
         _SCORES.move_to_end(key)
