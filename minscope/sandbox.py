@@ -106,19 +106,21 @@ def bwrap_args(argv, cwd, writable=(), readable=(), readonly_inside=(), limits: 
             # /bin, /lib... are links to /usr/... on merged-/usr systems: keep them links
             args += ["--symlink", os.readlink(d), d] if os.path.islink(d) and d in SYSTEM_DIRS \
                 else ["--ro-bind", d, d]
-    for d in readable:
-        d = str(Path(d).resolve())
+    readable, writable = ([str(Path(d).resolve()) for d in ds] for ds in (readable, writable))
+    cwd = str(Path(cwd).resolve())
+    if not any(cwd == d or cwd.startswith(d.rstrip("/") + "/") for d in [*writable, *readable]):
+        readable.insert(0, cwd)                # (a folder of its own: visible, read-only)
+    for d in readable:                         # (later binds cover earlier ones: readable first)
         if not d.startswith(tuple(p + "/" for p in SYSTEM_DIRS)):
             args += ["--ro-bind", d, d]
     for d in writable:
-        d = str(Path(d).resolve())
         args += ["--bind", d, d]
     for d in readonly_inside:
         if Path(d).exists():
             d = str(Path(d).resolve())
             args += ["--ro-bind", d, d]
     # the sandbox's own root (where bwrap made the mount points) read-only too
-    return args + ["--remount-ro", "/", "--chdir", str(Path(cwd).resolve()), "--", *map(str, argv)]
+    return args + ["--remount-ro", "/", "--chdir", cwd, "--", *map(str, argv)]
 
 
 def _tasks_of(uid: int) -> int:
@@ -155,6 +157,16 @@ def _pids_cgroup(limit: int) -> Path | None:
             pass
         group.rmdir()
     return None
+
+
+def processes_capped() -> bool:
+    """Whether Limits.processes binds here: always for a user; for root only through a pids cgroup."""
+    if os.geteuid() != 0:
+        return True
+    group = _pids_cgroup(1)
+    if group is not None:
+        _remove_cgroup(group)
+    return group is not None
 
 
 def _limiter(limits: Limits, cpu_seconds: int, group: Path | None):
