@@ -6,6 +6,7 @@ processes, a symlinked TMPDIR, SIGTERM). One fixture task and one workspace serv
 """
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -275,8 +276,8 @@ def test_case_5_the_models_regex_never_runs_in_this_process_and_is_linear(ws, mo
     def refuse(*args, **kwargs):
         raise AssertionError("a model's regex compiled in the trainer process")
 
-    monkeypatch.setattr(cb.re, "compile", refuse)
-    monkeypatch.setattr(cb.re, "search", refuse)
+    monkeypatch.setattr(re, "compile", refuse)
+    monkeypatch.setattr(re, "search", refuse)
     text, error = tool(ws, "search", pattern="(a+)+$", path="slow.txt")       # exponential for backtracking
     assert not error and text == "slow.txt:2: aaa", text
     (ws.path / "slow.txt").unlink()

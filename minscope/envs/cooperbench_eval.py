@@ -16,6 +16,11 @@ merged tree. This module does the same steps with git and a subprocess:
       .gitattributes (not staged) and the merge is redone; `git diff BASE HEAD` is the merged
       patch, and each feature's runner.sh runs on a fresh tree with it. Success = both pass.
 
+The test commands run model-written code, so they run in `minscope.sandbox` (bubblewrap: no
+network, only the tree and a scratch HOME writable, the tree's .git read-only); clones copy
+their objects (`--no-hardlinks`), so nothing reaches the user's repository; the scratch folder
+goes at exit and on SIGTERM.
+
 Instead of `pip install -e .` in the image, the patched tree goes first on PYTHONPATH (the repo
 root, or `src/`) of a Python whose virtual environment holds only the task's test dependencies
 (built once per dependency set and cached, so later runs are offline). That is what makes a
