@@ -63,9 +63,9 @@ def unavailable() -> str | None:
     if path is None:
         return "bwrap (bubblewrap) is not installed"
     try:
-        probe = subprocess.run([path, "--ro-bind", "/", "/", "--unshare-all", "--cap-drop", "ALL",
-                                "--die-with-parent", "--new-session", "true"],
-                               capture_output=True, text=True, timeout=30)
+        with tempfile.TemporaryDirectory(prefix="minscope-probe-") as d:   # the very flags run() uses
+            probe = subprocess.run([path, *bwrap_args(["true"], d, writable=[d])[1:]],
+                                   capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"bwrap does not start ({e})"
     if probe.returncode != 0:
@@ -111,7 +111,7 @@ def bwrap_args(argv, cwd, writable=(), readable=(), readonly_inside=(), limits: 
     if not any(cwd == d or cwd.startswith(d.rstrip("/") + "/") for d in [*writable, *readable]):
         readable.insert(0, cwd)                # (a folder of its own: visible, read-only)
     for d in readable:                         # (later binds cover earlier ones: readable first)
-        if not d.startswith(tuple(p + "/" for p in SYSTEM_DIRS)):
+        if d not in SYSTEM_DIRS and not d.startswith(tuple(p + "/" for p in SYSTEM_DIRS)):
             args += ["--ro-bind", d, d]
     for d in writable:
         args += ["--bind", d, d]
@@ -174,7 +174,10 @@ def _limiter(limits: Limits, cpu_seconds: int, group: Path | None):
 
     def preexec():                                         # in the child, before bwrap starts
         if group is not None:
-            (group / "cgroup.procs").write_text(str(os.getpid()))
+            try:
+                (group / "cgroup.procs").write_text(str(os.getpid()))
+            except OSError:                                # (then only the timeout stops a fork bomb)
+                pass
         for what, value in ((resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_AS, limits.memory_bytes),
                             (resource.RLIMIT_CPU, cpu_seconds), (resource.RLIMIT_NPROC, nproc),
                             (resource.RLIMIT_CORE, 0)):

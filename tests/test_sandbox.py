@@ -30,12 +30,12 @@ PY = sys.executable
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    need_bwrap()
     return make_task(tmp_path_factory.mktemp("hostile"))
 
 
 @pytest.fixture(scope="module")
 def env(toy):
+    need_bwrap()
     return env_for(toy[0], max_turns=50, bash=True)
 
 
@@ -324,6 +324,7 @@ def test_case_8_background_processes_die_with_the_call(ws):
 
 
 def test_case_9_a_symlinked_tmpdir_works_and_every_result_is_clipped(toy, tmp_path, monkeypatch):
+    need_bwrap()
     real = tmp_path / "real-tmp"
     real.mkdir()
     (tmp_path / "link-tmp").symlink_to(real)
@@ -361,6 +362,7 @@ time.sleep(120)
 
 
 def test_case_10_sigterm_removes_the_temporary_clones(toy):
+    need_bwrap()
     code = SIGTERM_CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), task=str(toy[0]))
     child = subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

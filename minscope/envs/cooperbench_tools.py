@@ -229,8 +229,8 @@ def run_tool(ws: Workspace, call: ToolCall, timeout: float, bash: bool) -> tuple
             return f"{status}\n{ev.clip(out, TOOL_OUTPUT_CHARS)}", rc != 0
         if name == "bash" and bash:
             rc, out, _ = ws.run(["bash", "-c", _text(a, "command")], timeout)
-            return json.dumps({"returncode": rc if rc is not None else -9,
-                               "output": ev.clip(out, TOOL_OUTPUT_CHARS)}), rc != 0
+            return json.dumps({"returncode": rc if rc is not None else -9,     # (room for the JSON around it)
+                               "output": ev.clip(out, TOOL_OUTPUT_CHARS - 200)}, ensure_ascii=False), rc != 0
     except (ValueError, TypeError, OverflowError, OSError, UnicodeError, re.error) as e:
         return f"Error: {e}", True
     return f"Error: unknown tool {name!r}", True
