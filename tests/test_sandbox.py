@@ -147,6 +147,16 @@ def test_without_bwrap_the_env_refuses_unless_told_it_is_unsafe(toy, monkeypatch
         env_for(toy[0])
     with pytest.raises(sandbox.SandboxUnavailable):
         ev.evaluate_feature(toy[0], toy[1], 1, "", spec=SPEC)
+    # train.py --env cooperbench: one line naming the flag; with --unsafe-no-sandbox it starts
+    import train
+    from minscope.runner import make_env
+
+    argv = ["--env", "cooperbench", "--data", str(toy[0].parent.parent), "--repos", str(toy[1].parent),
+            "--tasks", NAME]
+    monkeypatch.setitem(ev.MANIFEST, NAME, SPEC)
+    with pytest.raises(SystemExit, match="error: cannot run model-written code safely"):
+        make_env(train.build_parser().parse_args(argv))
+    assert make_env(train.build_parser().parse_args(argv + ["--unsafe-no-sandbox"])).unsafe
     unsafe = env_for(toy[0], unsafe_no_sandbox=True)
     episode = Episode(task=unsafe.tasks("train")[0], group=0)
     ws = unsafe.workspace(episode, "agent")

@@ -17,9 +17,13 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..toolcalls import ToolCall
 from . import cooperbench_eval as ev
+
+if TYPE_CHECKING:
+    from .cooperbench import CoopTask
 
 TOOL_OUTPUT_CHARS = 4000      # tool results (and messages) are cut to this many characters (head + tail)
 SEARCH_TIMEOUT = 10           # seconds a search may take
