@@ -337,12 +337,17 @@ def test_python(spec: TaskSpec) -> str:
     return str(python)
 
 
-def test_env(tree: Path, spec: TaskSpec, home: Path) -> dict:
+def test_env(tree: Path, spec: TaskSpec, home: Path, python=None) -> dict:
     """The environment of a test run: the patched tree first on PYTHONPATH, nothing inherited
-    but PATH, HOME inside the scratch folder. TMPDIR stays the system's (/tmp): some tests
-    pass temporary file names to commands that read them as arguments (click's sed editor
-    tests), so their verdicts depend on what those names look like."""
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
+    but PATH (the test interpreter's folder first, as `python` is the image's in Docker: tests
+    run `python -c ...` as a command, and in the sandbox a PATH entry like a pyenv shim folder
+    does not exist), HOME inside the scratch folder. TMPDIR stays the system's (/tmp; in the
+    sandbox its private /tmp): some tests pass temporary file names to commands that read them
+    as arguments (click's sed editor tests), so their verdicts depend on what those names look like."""
+    path = os.environ.get("PATH", "/usr/bin:/bin")
+    if python:
+        path = f"{Path(python).parent}{os.pathsep}{path}"
+    return {"PATH": path, "HOME": str(home),
             "LANG": "C.UTF-8", "PYTHONPATH": str((tree / spec.import_root).resolve()),
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", **dict(spec.env)}
 
@@ -412,7 +417,7 @@ def run_runner(tree: Path, spec: TaskSpec, tests_patch: Path, feature_patch: Pat
             return result
     python, outputs, rc, seconds = test_python(spec), [], 0, 0.0
     for command in spec.tests:
-        code, text, took = run_limited([python, "-m", *command], tree, test_env(tree, spec, home), spec.timeout,
+        code, text, took = run_limited([python, "-m", *command], tree, test_env(tree, spec, home, python), spec.timeout,
                                        writable=(tree, home), readable=sandbox.python_dirs(python),
                                        readonly_inside=(tree / ".git",), unsafe=unsafe)
         outputs.append(text)

@@ -95,11 +95,12 @@ class Workspace:
         """Model-written code in the sandbox: tests and bash with the workspace writable (its
         .git read-only) and the test interpreter visible; with `writable=False` (search) the
         workspace only readable and no interpreter."""
+        python = ev.test_python(self.spec) if writable else None
         if writable:
-            rw, ro = (self.path, self.home), ev.sandbox.python_dirs(ev.test_python(self.spec))
+            rw, ro = (self.path, self.home), ev.sandbox.python_dirs(python)
         else:
             rw, ro = (), [self.path]
-        return ev.run_limited(argv, self.path, ev.test_env(self.path, self.spec, self.home), timeout,
+        return ev.run_limited(argv, self.path, ev.test_env(self.path, self.spec, self.home, python), timeout,
                               writable=rw, readable=ro, readonly_inside=(self.path / ".git",), unsafe=self.unsafe)
 
     def patch(self) -> str:
