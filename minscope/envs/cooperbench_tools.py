@@ -127,13 +127,13 @@ def _text(a: dict, key: str, default=None) -> str:
 
 
 def _line(a: dict, key: str) -> int | None:
-    """Argument `key` as a line number (1..10^9), or None when absent."""
+    """Argument `key` as a line number (0..10^9; 0 reads as 1 for a start), or None when absent."""
     value = a.get(key)
     if value is None or value == "":
         return None
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 10**9:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10**9:
         raise ToolError(f"`{key}` must be a line number (a whole number from 1), not {json.dumps(value)[:50]}")
     return value
 
