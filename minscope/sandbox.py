@@ -12,7 +12,7 @@ untrusted, so it runs here and never with the user's rights:
   * no capabilities (`--cap-drop ALL`), a new session (no terminal injection), a PID
     namespace and `--die-with-parent`: when the command ends or is killed, every process it
     started (`setsid ... &`, `nohup ... &`) dies with it;
-  * resource limits set before bwrap starts (inherited by everything inside): file size
+  * resource limits set before bwrap starts (`prlimit`; inherited by everything inside): file size
     (which also caps the captured output on disk), CPU seconds, address space and processes.
     Linux does not apply RLIMIT_NPROC to root; as root the process count is capped with a
     pids cgroup when one can be made, otherwise a fork bomb runs until the wall-clock timeout.
@@ -169,22 +169,30 @@ def processes_capped() -> bool:
     return group is not None
 
 
-def _limiter(limits: Limits, cpu_seconds: int, group: Path | None):
+def _limited(cmd: list[str], limits: Limits, cpu_seconds: int, group: Path | None):
+    """`cmd` behind the resource limits: (command, preexec function or None). The limits are
+    set by `prlimit` and the cgroup joined by `sh` just before they exec, so no Python code
+    runs in the forked child (preexec_fn is unsafe in a process with threads); without prlimit
+    (macOS) a preexec function sets them instead."""
     nproc = _tasks_of(os.getuid()) + limits.processes      # (the count is per user, not per run)
+    wanted = [(resource.RLIMIT_FSIZE, "fsize", limits.file_bytes), (resource.RLIMIT_AS, "as", limits.memory_bytes),
+              (resource.RLIMIT_CPU, "cpu", cpu_seconds), (resource.RLIMIT_NPROC, "nproc", nproc),
+              (resource.RLIMIT_CORE, "core", 0)]
+    values = []
+    for what, name, value in wanted:                        # (never above the hard limit we have)
+        hard = resource.getrlimit(what)[1]
+        values.append((what, name, value if hard == resource.RLIM_INFINITY else min(value, hard)))
+    prefix = []
+    if group is not None:                                   # (a failed join leaves only the timeout)
+        prefix = ["sh", "-c", 'echo $$ > "$0" 2>/dev/null; exec "$@"', str(group / "cgroup.procs")]
+    prlimit = shutil.which("prlimit")
+    if prlimit:
+        return prefix + [prlimit, *(f"--{name}={value}" for _, name, value in values), "--", *cmd], None
 
-    def preexec():                                         # in the child, before bwrap starts
-        if group is not None:
-            try:
-                (group / "cgroup.procs").write_text(str(os.getpid()))
-            except OSError:                                # (then only the timeout stops a fork bomb)
-                pass
-        for what, value in ((resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_AS, limits.memory_bytes),
-                            (resource.RLIMIT_CPU, cpu_seconds), (resource.RLIMIT_NPROC, nproc),
-                            (resource.RLIMIT_CORE, 0)):
-            hard = resource.getrlimit(what)[1]
-            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    def preexec():
+        for what, _, value in values:
             resource.setrlimit(what, (value, value))
-    return preexec
+    return prefix + cmd, preexec
 
 
 def run(argv, cwd, env, timeout, writable=(), readable=(), readonly_inside=(), unsafe=False,
@@ -208,9 +216,9 @@ def run(argv, cwd, env, timeout, writable=(), readable=(), readonly_inside=(), u
     start = time.perf_counter()
     try:
         with tempfile.TemporaryFile() as out:
+            cmd, preexec = _limited(cmd, limits, int(timeout) + 5, group)
             proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=_limiter(limits, int(timeout) + 5, group))
+                                    stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec)
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
