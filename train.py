@@ -64,7 +64,8 @@ REAL_DEFAULTS = dict(method="single", domain="retail", panel="", groups=16, grou
                      sim_lr=1e-5, eval_every=16, max_new_tokens=128, micro_batch=8)
 REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "panel", "load_in_4bit",
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
-             "no_grad_checkpointing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash")
+             "no_grad_checkpointing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
+             "unsafe_no_sandbox")
 TOY_ONLY = ("quick", "methods", "ablations", "seeds", "workers", "cache_dir")
 
 
@@ -105,7 +106,9 @@ def build_parser():
                    "(default: none, so the training pairs are evaluated, with a warning)")
     p.add_argument("--coder-turns", type=whole(1), help="cooperbench: model turns per coder (default 50)")
     p.add_argument("--bash", action="store_true", help="cooperbench: also give the coders a bash tool "
-                   "(NOT a sandbox: commands run with your rights)")
+                   "(run in the same sandbox as their tests)")
+    p.add_argument("--unsafe-no-sandbox", action="store_true", help="cooperbench without bwrap (e.g. macOS): "
+                   "run the coders' code with YOUR rights instead of refusing to start")
     p.add_argument("--policy", help="policy model: Hugging Face name or local path")
     p.add_argument("--simulator", help="simulator model (default: same base as the policy), or a served one: "
                    "openai:MODEL@http://HOST:PORT/v1 (key from MINSCOPE_API_KEY or OPENAI_API_KEY)")

@@ -12,6 +12,8 @@ last line of an append-only JSONL log, which is dropped with a note.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import json
 import os
 import sys
@@ -127,7 +129,13 @@ def pid_alive(pid: int) -> bool:
 class RunLock:
     """`RUN_DIR/lock` holds the pid of the process training in RUN_DIR. A second process is
     refused while that pid is alive; a lock whose process is gone (killed, crashed) is taken
-    over with a note. The lock is removed by `release()` or when the process exits."""
+    over with a note. The lock is removed by `release()` or when the process exits.
+
+    Taking it is atomic: the pid is written to a private file first, which is then hard-linked
+    to `lock` (a link never replaces an existing file), so no process ever reads an empty
+    lock. Checking a holder and taking over a dead one's lock happen under an `flock` of the
+    run folder itself, which the kernel releases when its process dies: two processes that both
+    find a stale lock cannot both remove it and both take it."""
 
     def __init__(self, run_dir, warn=note):
         self.path = Path(run_dir) / "lock"
@@ -138,13 +146,23 @@ class RunLock:
         try:
             return int(self.path.read_text().split()[0])
         except (OSError, ValueError, IndexError):
-            return None      # gone, or half-written by a process killed while taking it
+            return None      # gone, or an empty file left by an older minscope killed while taking it
+
+    def _link(self) -> bool:
+        """Make `lock` hold this pid, if no lock exists; False if one does."""
+        tmp = self.path.with_name(f"lock.{os.getpid()}.tmp")
+        tmp.write_text(f"{os.getpid()}\n")
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def acquire(self) -> "RunLock":
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
+        with _folder_lock(self.path.parent):
+            if not self._link():
                 pid = self.holder()
                 if pid == os.getpid():           # this process holds it already
                     self.held = True
@@ -157,17 +175,17 @@ class RunLock:
                 self.warn(f"{self.path}: taking over the lock of process {pid}, which is no longer "
                           "running (an interrupted or killed run)")
                 self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(f"{os.getpid()}\n")
-            self.held = True
-            atexit.register(self.release)
-            return self
-        raise RunFileError(f"{self.path}: could not take the lock (another process keeps taking it)")
+                if not self._link():             # only a process without the folder lock could be here
+                    raise RunFileError(f"{self.path}: could not take the lock (another process keeps taking it)")
+        self.held = True
+        atexit.register(self.release)
+        return self
 
     def release(self) -> None:
-        if self.held and self.holder() == os.getpid():
-            self.path.unlink(missing_ok=True)
+        if self.held:
+            with _folder_lock(self.path.parent):
+                if self.holder() == os.getpid():
+                    self.path.unlink(missing_ok=True)
         self.held = False
         atexit.unregister(self.release)
 
@@ -176,3 +194,15 @@ class RunLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    """An exclusive `flock` of `folder` (its directory file), held for the block: the kernel
+    drops it when the process exits, so a killed holder never leaves it stale."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)            # closing the descriptor releases the flock

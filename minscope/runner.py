@@ -106,7 +106,8 @@ def make_env(args):
         try:
             return CooperBenchEnv(args.data, args.repos, tasks=tasks, subset=getattr(args, "subset", None),
                                   test_subset=getattr(args, "test_subset", None),
-                                  max_turns=getattr(args, "coder_turns", None) or 50, bash=bool(getattr(args, "bash", False)))
+                                  max_turns=getattr(args, "coder_turns", None) or 50, bash=bool(getattr(args, "bash", False)),
+                                  unsafe_no_sandbox=bool(getattr(args, "unsafe_no_sandbox", False)))
         except (FileNotFoundError, EvalError) as e:   # missing data, or a task that needs Docker
             raise SystemExit(f"error: {e}") from None
     if args.env == "wordgame":

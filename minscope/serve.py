@@ -19,25 +19,37 @@ failures are regenerated twice, then the raw text is used), so the client sees a
 model. Concurrent requests are batched: a worker thread takes every request waiting (up
 to --max-batch) and generates them in one `rollout.sample` call per temperature (left
 padding, EOS-aware decode). A request's `seed` is not honoured (rows share a batch).
-FastAPI + uvicorn: a standard, well-kept ASGI stack; one process holds the model.
+FastAPI + uvicorn: a standard, well-kept ASGI stack; one process holds the model (the HTTP
+side, routes and request checks, is minscope/serve_app.py).
+
+Requests are checked one by one, so a bad one gets its own 4xx and the rest of its batch is
+served: the body is at most --max-body-bytes, at most --max-messages messages, n at most 16,
+and the prompt shorter than the model's context (413 / 400 `context_length_exceeded`; a reply
+is cut to fit what is left). Fields are typed as the OpenAI API types them, strictly: a
+string where a number or a boolean belongs (`"enable_thinking": "no"`) is a 400, not a guess;
+`max_tokens` must be 1 or more (0 is a 400, as OpenAI answers it); a temperature under 1e-5 is
+greedy; a lone UTF-16 surrogate in a message is a 400. If generating a batch fails anyway,
+each of its requests is generated alone, so a failure stays with the request that caused it,
+and the batching thread outlives anything a request does (a client that goes away included).
+A server listening beyond this machine (--host other than a loopback address) needs
+--api-key KEY (or MINSCOPE_API_KEY, which is also what minscope's client sends as its key):
+every request must then carry `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import ipaddress
 import json
+import os
 import queue
 import random
 import threading
-import time
-import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from .chat import chat_format, strip_reasoning
 from .rollout import eos_token_ids, sample
@@ -51,6 +63,18 @@ def latest_step(run_dir: Path, prefix: str) -> int | None:
     return max(steps) if steps else None
 
 
+def is_run_folder(path: Path) -> bool:
+    """Whether `path` is a folder train.py wrote: its config.json holds train.py's settings (a
+    real run's "env" and "policy", a toy run's "models"). A saved Hugging Face model has a
+    config.json too, with "model_type" and none of those: it is a base model to serve."""
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(cfg, dict) and "model_type" not in cfg and (
+        ("env" in cfg and "policy" in cfg) or "models" in cfg)
+
+
 def load_target(target: str, adapter: str | None = None, step: str | None = None):
     """(model, tokenizer, adapter slot or None, description) for a run folder's adapter
     (policy | simulator | poolK) or a base model by name or path."""
@@ -60,9 +84,9 @@ def load_target(target: str, adapter: str | None = None, step: str | None = None
     from .served import is_spec
 
     run_dir = Path(target)
-    if not (run_dir / "config.json").is_file():
+    if not is_run_folder(run_dir):
         if adapter:
-            raise SystemExit(f"--adapter {adapter}: {target} is not a run folder (no config.json); "
+            raise SystemExit(f"--adapter {adapter}: {target} is not a run folder (no config.json of train.py's); "
                              "serve a base model without --adapter, or pass a folder written by train.py")
         model, tok = load_model(target)
         return model, tok, None, f"base model {target}"
@@ -109,6 +133,17 @@ def load_target(target: str, adapter: str | None = None, step: str | None = None
 
 
 # --------------------------------------------------------------------------- batching
+MIN_TEMPERATURE = 1e-5      # below it, sampling is greedy (logits / 5e-324 overflow to inf)
+
+
+class RequestError(ValueError):
+    """What is wrong with one request: answered to it alone, with `status` (4xx)."""
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
 @dataclass
 class Job:
     messages: list[dict]
@@ -117,6 +152,7 @@ class Job:
     n: int = 1
     thinking: bool = False
     future: Future = field(default_factory=Future)
+    ids: list[int] | None = None          # the prompt's token ids, once checked
 
 
 class Generator:
@@ -138,21 +174,70 @@ class Generator:
         return job.future
 
     def _loop(self):
-        while True:
-            jobs = [self.queue.get()]
-            while len(jobs) < self.max_batch:
-                try:
-                    jobs.append(self.queue.get_nowait())
-                except queue.Empty:
-                    break
+        while True:      # nothing a request does ends this thread
             try:
-                results = self.run(jobs)
-            except Exception as e:  # noqa: BLE001 - answered to every waiting request
-                for job in jobs:
-                    job.future.set_exception(e)
-                continue
-            for job, result in zip(jobs, results):
-                job.future.set_result(result)
+                self._serve_batch()
+            except Exception as e:  # noqa: BLE001 - a bug of ours: say so, keep serving
+                print(f"minscope.serve: a batch failed ({type(e).__name__}: {e})", flush=True)
+
+    def _serve_batch(self):
+        jobs = [self.queue.get()]
+        while len(jobs) < self.max_batch:
+            try:
+                jobs.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        # a request whose client went away was cancelled while it waited: drop it; the others
+        # are now running, and can no longer be cancelled under us
+        jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        try:
+            outcomes = self.answer(jobs)
+        except Exception as e:  # noqa: BLE001 - whatever it is, every waiting request hears of it
+            outcomes = [e] * len(jobs)
+        for job, outcome in zip(jobs, outcomes):
+            if isinstance(outcome, BaseException):
+                job.future.set_exception(outcome)
+            else:
+                job.future.set_result(outcome)
+
+    def answer(self, jobs: list[Job]) -> list:
+        """Each job's result, or the exception that is its answer. Prompts are checked one by
+        one; the good ones are generated in one batch, and if that fails, each alone."""
+        out: list = [None] * len(jobs)
+        ready = []
+        for i, job in enumerate(jobs):
+            try:
+                job.ids = self.checked_prompt(job)
+                ready.append(i)
+            except Exception as e:  # noqa: BLE001 - that request's own answer
+                out[i] = e
+        if not ready:
+            return out
+        try:
+            results = self.run([jobs[i] for i in ready])
+        except Exception:  # noqa: BLE001 - find the request that breaks it
+            results = []
+            for i in ready:
+                try:
+                    results += self.run([jobs[i]])
+                except Exception as e:  # noqa: BLE001
+                    results.append(e)
+        for i, result in zip(ready, results):
+            out[i] = result
+        return out
+
+    def checked_prompt(self, job: Job) -> list[int]:
+        """The job's prompt ids; a prompt that fills the model's context is refused, and so
+        are messages the chat template or the tokenizer cannot take (the request's doing)."""
+        try:
+            ids = self.prompt(job)
+        except Exception as e:  # noqa: BLE001 - jinja's and the tokenizer's errors vary
+            raise RequestError(f"the messages cannot be formatted for this model ({type(e).__name__}: "
+                               f"{str(e)[:200]})") from None
+        if self.max_context and len(ids) >= self.max_context:
+            raise RequestError(f"this model's context is {self.max_context} tokens; the messages are "
+                               f"{len(ids)} tokens. Shorten them", code="context_length_exceeded")
+        return ids
 
     def prompt(self, job: Job) -> list[int]:
         messages = [dict(m) for m in job.messages]
@@ -176,7 +261,7 @@ class Generator:
             cap = max(rows[i][2] for i in idx)
             with use_adapter(self.model, self.adapter):
                 ids, _ = sample(self.model, [rows[i][0] for i in idx], self.tokenizer.pad_token_id, self.eos,
-                                cap, temperature=temp)
+                                cap, temperature=temp if temp >= MIN_TEMPERATURE else 0.0)
             self.batches += 1
             for i, gen in zip(idx, ids):
                 gen = gen[:rows[i][2]]
@@ -191,7 +276,7 @@ class Generator:
         """Each job's choices and token usage."""
         rows, owner = [], []
         for j, job in enumerate(jobs):
-            ids = self.prompt(job)
+            ids = job.ids if job.ids is not None else self.prompt(job)
             cap = job.max_tokens * (self.vs_k + 1) if self.vs_k else job.max_tokens
             if self.max_context and len(ids) + cap > self.max_context:
                 cap = max(1, self.max_context - len(ids))
@@ -240,80 +325,10 @@ class Generator:
         return out
 
 
-# --------------------------------------------------------------------------- the app
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list | None = None
-
-
-class ChatRequest(BaseModel):
-    """The fields of an OpenAI chat-completions request that are read; others are ignored."""
-    model_config = ConfigDict(extra="allow")
-    model: str
-    messages: list[Message]
-    temperature: float | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    n: int = 1
-    stream: bool = False
-    chat_template_kwargs: dict | None = None
-
-
-def build_app(generator: Generator, name: str, max_tokens: int = 512):
-    """The FastAPI app serving `generator` as model `name`."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
-
-    app = FastAPI(title=f"minscope simulator {name}")
-    created = int(time.time())
-
-    def error(status: int, message: str, code: str | None = None):
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": code}},
-                            status_code=status)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                            "owned_by": "minscope"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
-        if req.model != name:
-            return error(404, f"the model {req.model!r} does not exist; this server serves {name!r}",
-                         "model_not_found")
-        if req.stream:
-            return error(400, "streaming is not supported by minscope.serve; send stream: false")
-        if not 1 <= req.n <= 16:
-            return error(400, f"n must be between 1 and 16, not {req.n}")
-        if not req.messages:
-            return error(400, "messages must hold at least one message")
-        temperature = 1.0 if req.temperature is None else req.temperature
-        if not 0 <= temperature <= 10:
-            return error(400, f"temperature must be between 0 and 10, not {temperature}")
-        cap = req.max_completion_tokens or req.max_tokens or max_tokens
-        if cap < 1:
-            return error(400, f"max_tokens must be at least 1, not {cap}")
-        messages = [{"role": m.role, "content": _text_content(m.content)} for m in req.messages]
-        thinking = bool((req.chat_template_kwargs or {}).get("enable_thinking", False))
-        job = Job(messages, temperature, min(cap, max_tokens), req.n, thinking)
-        result = await asyncio.wrap_future(generator.submit(job))
-        prompt, completion = result["prompt_tokens"], result["completion_tokens"]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": name, "choices": result["choices"],
-                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                          "total_tokens": prompt + completion}}
-
-    return app
-
-
-def _text_content(content) -> str:
-    """A message's text: a string, or the text parts of a list of content parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+# --------------------------------------------------------------------------- the app (serve_app.py)
+MAX_N = 16
+MAX_MESSAGES = 2048
+MAX_BODY_BYTES = 4 * 2**20    # a full 40k-token context is well under 1 MB of JSON
 
 
 def parse_args(argv=None):
@@ -329,8 +344,25 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch", type=int, default=32, help="requests generated in one batch (default 32)")
     p.add_argument("--max-tokens", type=int, default=512, help="cap on max_tokens per reply (default 512)")
+    p.add_argument("--max-messages", type=int, default=MAX_MESSAGES,
+                   help=f"most messages in one request (default {MAX_MESSAGES})")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help=f"largest request body (default {MAX_BODY_BYTES})")
+    p.add_argument("--api-key", default=os.environ.get("MINSCOPE_API_KEY") or None,
+                   help="the key every request must carry (Authorization: Bearer KEY); needed for a --host "
+                        "that is not a loopback address (default: $MINSCOPE_API_KEY)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the VS draws")
     return p.parse_args(argv)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False       # a host name (or 0.0.0.0, every interface): not known to be local
 
 
 def make_server(argv=None):
@@ -339,8 +371,11 @@ def make_server(argv=None):
     import uvicorn
 
     args = parse_args(argv)
-    if args.vs_k < 1 or args.max_batch < 1 or args.max_tokens < 1:
-        raise SystemExit("--vs-k, --max-batch and --max-tokens must be 1 or more")
+    if min(args.vs_k, args.max_batch, args.max_tokens, args.max_messages, args.max_body_bytes) < 1:
+        raise SystemExit("--vs-k, --max-batch, --max-tokens, --max-messages and --max-body-bytes must be 1 or more")
+    if not is_loopback(args.host) and not args.api_key:
+        raise SystemExit(f"--host {args.host} listens beyond this machine: give --api-key KEY (or set "
+                         "MINSCOPE_API_KEY), which every client must then send")
     torch.manual_seed(args.seed)
     model, tok, adapter, what = load_target(args.target, args.adapter, args.step)
     model.eval()
@@ -348,7 +383,10 @@ def make_server(argv=None):
                          + ("-vs" if args.vs else ""))
     gen = Generator(model, tok, adapter, vs_k=args.vs_k if args.vs else None, max_batch=args.max_batch,
                     seed=args.seed)
-    app = build_app(gen, name, args.max_tokens)
+    from .serve_app import build_app
+
+    app = build_app(gen, name, args.max_tokens, api_key=args.api_key, max_body=args.max_body_bytes,
+                    max_messages=args.max_messages)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     server.generator = gen
     banner = (f"serving {what}{' (Verbalized Sampling, k=' + str(args.vs_k) + ')' if args.vs else ''} as model "
@@ -366,4 +404,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    # run the imported module, not this `__main__` copy: serve_app's RequestError and Job
+    # must be the classes the Generator raises and takes
+    from minscope.serve import main as serve_main
+    serve_main()

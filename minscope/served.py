@@ -14,14 +14,19 @@ an Ensemble member, the base of Persona-Guided (`ServedPersonaGuided`) or a pane
 It is never trained: its turns carry no token ids.
 
 The API key is read from MINSCOPE_API_KEY, else OPENAI_API_KEY (none: no Authorization
-header, as a local server wants). One turn's requests go out concurrently, at most
-`concurrency` at a time; each has a `timeout`; a 429, a 5xx, a timeout or a dropped
-connection is retried `retries` times with exponential backoff (a Retry-After header is
-honoured), after which `ServedError` names the endpoint and the last failure. It is a
-`RunStopped`: train.py prints it as one line, and the run's last saved step is intact
-(`--resume` continues once the endpoint is back). Other 4xx answers (a wrong model name,
-a missing key) are not retried. Defaults can be changed with MINSCOPE_SERVED_CONCURRENCY,
-MINSCOPE_SERVED_TIMEOUT, MINSCOPE_SERVED_RETRIES and MINSCOPE_SERVED_BACKOFF;
+header, as a local server wants). One turn's requests go out concurrently (asyncio, one
+event loop per turn), at most `concurrency` at a time; each has a `timeout` for the whole
+exchange, however slowly the server trickles its answer; a 429, a 5xx, a timeout or a
+dropped connection is retried `retries` times with exponential backoff (a Retry-After
+header is honoured), after which `ServedError` names the endpoint and the last failure. It
+is a `RunStopped`: train.py prints it as one line, and the run's last saved step is intact
+(`--resume` continues once the endpoint is back); the turn's other requests are cancelled
+at once, so the process exits promptly. Other 4xx answers (a wrong model name, a missing
+key) are not retried, and neither is an answer that is not a chat completion: every field
+read is type-checked (`content` a string or null, `usage` counts whole numbers), and a body
+is read up to `MAX_RESPONSE_BYTES` after decompression (a gzip bomb stops there). Defaults
+can be changed with MINSCOPE_SERVED_CONCURRENCY (1 or more), MINSCOPE_SERVED_TIMEOUT
+(seconds, > 0), MINSCOPE_SERVED_RETRIES (0 or more) and MINSCOPE_SERVED_BACKOFF (seconds);
 MINSCOPE_SERVED_EXTRA is a JSON object merged into every request body, e.g.
 '{"chat_template_kwargs": {"enable_thinking": false}}' to keep a Qwen3 served by vLLM (or
 by minscope.serve) from thinking, as minscope's own speakers do by default.
@@ -32,14 +37,16 @@ by minscope.serve) from thinking, as minscope's own speakers do by default.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
+import math
 import os
 import random
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import zlib
 
 from .chat import strip_reasoning
 from .envs.base import Turn
@@ -50,6 +57,7 @@ SPEC = re.compile(r"^openai:(?P<model>.+?)@(?P<url>https?://\S+)$")
 KEY_VARS = ("MINSCOPE_API_KEY", "OPENAI_API_KEY")
 RETRY_STATUS = {408, 409, 429} | set(range(500, 600))
 USAGE_KEYS = ("requests", "retries", "prompt_tokens", "completion_tokens", "latency_s", "latency_max_s")
+MAX_RESPONSE_BYTES = 8 * 2**20     # a reply of a few hundred tokens is a few KB; more is a broken server
 
 
 class ServedError(RunStopped):
@@ -69,14 +77,33 @@ def parse_spec(text: str) -> tuple[str, str]:
     return m["model"], m["url"].rstrip("/")
 
 
-def _env_number(name: str, default, kind=float):
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return default
-    try:
-        return kind(value)
-    except ValueError:
-        raise SystemExit(f"{name}={value!r}: expected a number") from None
+SETTINGS = {   # name: (environment variable, whole number?, smallest value, what it must be)
+    "concurrency": ("MINSCOPE_SERVED_CONCURRENCY", True, 1, "a whole number, 1 or more"),
+    "timeout": ("MINSCOPE_SERVED_TIMEOUT", False, 0, "a number of seconds above 0"),
+    "retries": ("MINSCOPE_SERVED_RETRIES", True, 0, "a whole number, 0 or more"),
+    "backoff": ("MINSCOPE_SERVED_BACKOFF", False, 0, "a number of seconds, 0 or more"),
+}
+
+
+def setting(name: str, value, default):
+    """A served-client setting: `value` if given, else its environment variable, else
+    `default`; anything that is not a finite number in range stops with one line."""
+    var, whole, low, what = SETTINGS[name]
+    source = f"{name}={value!r}"
+    if value is None:
+        text = os.environ.get(var, "").strip()
+        if not text:
+            return default
+        source = f"{var}={text!r}"
+        try:
+            value = int(text) if whole else float(text)
+        except ValueError:
+            value = None
+    ok = (isinstance(value, int) if whole else isinstance(value, (int, float))) and not isinstance(value, bool)
+    ok = ok and math.isfinite(value) and (value > low if name == "timeout" else value >= low)
+    if not ok:
+        raise SystemExit(f"{source}: expected {what}")
+    return value
 
 
 def extra_body() -> dict:
@@ -116,14 +143,14 @@ class ServedSpeaker:
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.name = name or model
         self.system_suffix = system_suffix
-        self.concurrency = concurrency or _env_number("MINSCOPE_SERVED_CONCURRENCY", 16, int)
-        self.timeout = timeout or _env_number("MINSCOPE_SERVED_TIMEOUT", 120.0)
-        self.retries = retries if retries is not None else _env_number("MINSCOPE_SERVED_RETRIES", 4, int)
-        self.backoff = backoff if backoff is not None else _env_number("MINSCOPE_SERVED_BACKOFF", 1.0)
+        self.concurrency = setting("concurrency", concurrency, 16)
+        self.timeout = setting("timeout", timeout, 120.0)
+        self.retries = setting("retries", retries, 4)
+        self.backoff = setting("backoff", backoff, 1.0)
+        self.max_bytes = MAX_RESPONSE_BYTES
         self.key = key if key is not None else api_key()
         self.extra = extra_body()
         self.usage = _Usage()
-        self._client = None
 
     @classmethod
     def from_spec(cls, spec: str, **kwargs) -> "ServedSpeaker":
@@ -135,7 +162,7 @@ class ServedSpeaker:
         return f"{self.base_url}/chat/completions"
 
     def derive(self, **changes) -> "ServedSpeaker":
-        """A copy with some settings changed (same HTTP client and usage counters)."""
+        """A copy with some settings changed (same usage counters)."""
         out = copy.copy(self)
         for k, v in changes.items():
             setattr(out, k, v)
@@ -160,28 +187,34 @@ class ServedSpeaker:
             ep.partner_name = self.name
 
     # ------------------------------------------------------------------ HTTP
-    def client(self):
-        if self._client is None:
-            import httpx
-
-            headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
-            limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
-            self._client = httpx.Client(headers=headers, timeout=self.timeout, limits=limits)
-        return self._client
-
     def complete(self, conversations: list[list[dict]]) -> list[str]:
-        """The endpoint's reply to each conversation, at most `concurrency` requests in flight."""
+        """The endpoint's reply to each conversation, at most `concurrency` requests in flight.
+        The first request that fails for good cancels the others (nothing is left running)."""
         if not conversations:
             return []
-        if len(conversations) == 1:
-            return [self._request(conversations[0])]
-        pool = ThreadPoolExecutor(max_workers=min(self.concurrency, len(conversations)))
-        try:
-            return list(pool.map(self._request, conversations))
-        finally:   # after a failure (or Ctrl-C) the requests not yet sent are dropped
-            pool.shutdown(wait=False, cancel_futures=True)
+        return _run(self._complete(conversations))
 
-    def _request(self, messages: list[dict]) -> str:
+    async def _complete(self, conversations):
+        import httpx
+
+        headers = {"Accept-Encoding": "gzip, deflate"}       # the encodings _read_body decodes
+        if self.key:
+            headers["Authorization"] = f"Bearer {self.key}"
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        gate = asyncio.Semaphore(self.concurrency)
+        async with httpx.AsyncClient(headers=headers, timeout=self.timeout, limits=limits) as client:
+            async def one(messages):
+                async with gate:
+                    return await self._request(client, messages)
+            tasks = [asyncio.ensure_future(one(m)) for m in conversations]
+            try:
+                return await asyncio.gather(*tasks)
+            finally:   # after a failure (or Ctrl-C) the requests still running or waiting are dropped
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _request(self, client, messages: list[dict]) -> str:
         import httpx
 
         body = {**self.extra, "model": self.model, "messages": messages, "temperature": self.temperature,
@@ -191,42 +224,126 @@ class ServedSpeaker:
             if attempt:
                 self.usage.add(retries=1)
             t0 = time.perf_counter()
-            try:
-                resp = self.client().post(self.endpoint, json=body)
-            except httpx.TimeoutException:
+            try:   # the deadline covers the whole exchange: connecting, headers and every body byte
+                status, headers, data = await asyncio.wait_for(self._post(client, body), self.timeout)
+            except (asyncio.TimeoutError, httpx.TimeoutException):
                 last, wait = f"no answer within {self.timeout:g} s", None
             except httpx.TransportError as e:
                 last, wait = f"{type(e).__name__}: {e}", None
             else:
-                if resp.status_code == 200:
-                    return self._read(resp, time.perf_counter() - t0)
-                last = f"HTTP {resp.status_code}: {_snippet(resp)}"
-                if resp.status_code not in RETRY_STATUS:
+                if status == 200:
+                    return self._read(data, time.perf_counter() - t0)
+                last = f"HTTP {status}: {_snippet(data)}"
+                if status not in RETRY_STATUS:
                     raise ServedError(f"simulator endpoint {self.endpoint} (model {self.model!r}) refused the "
                                       f"request: {last}")
-                wait = _retry_after(resp)
+                wait = _retry_after(headers)
             if attempt < self.retries:
-                time.sleep(wait if wait is not None else self.backoff * 2 ** attempt * (1 + random.random() / 4))
+                await asyncio.sleep(wait if wait is not None else self.backoff * 2 ** attempt * (1 + random.random() / 4))
         raise ServedError(f"simulator endpoint {self.endpoint} (model {self.model!r}) failed "
                           f"{self.retries + 1} times; the last failure: {last}")
 
-    def _read(self, resp, seconds: float) -> str:
+    async def _post(self, client, body):
+        """(status, headers, body bytes) of one POST, the body read up to `max_bytes`."""
+        async with client.stream("POST", self.endpoint, json=body) as resp:
+            return resp.status_code, resp.headers, await self._read_body(resp)
+
+    async def _read_body(self, resp) -> bytes:
+        """The decoded body, decompressed piece by piece so that no more than `max_bytes`
+        (+1) is ever held: a small compressed body can expand a thousandfold."""
+        encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity", "gzip", "x-gzip", "deflate"):
+            raise ServedError(f"simulator endpoint {self.endpoint} answered in an encoding it was not asked "
+                              f"for ({encoding!r})")
+        inflate = None if encoding in ("", "identity") else zlib.decompressobj(wbits=47)   # gzip or zlib header
+        out = bytearray()
+
+        def add(piece: bytes):
+            out.extend(piece)
+            if len(out) > self.max_bytes:
+                raise ServedError(f"simulator endpoint {self.endpoint} answered more than {self.max_bytes} bytes "
+                                  "(decoded); a chat completion is far smaller")
         try:
-            data = resp.json()
-            text = data["choices"][0]["message"]["content"] or ""
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise ServedError(f"simulator endpoint {self.endpoint} answered without a chat completion: "
-                              f"{_snippet(resp)}") from None
-        usage = data.get("usage") or {}
-        self.usage.add(requests=1, prompt_tokens=usage.get("prompt_tokens", 0) or 0,
-                       completion_tokens=usage.get("completion_tokens", 0) or 0, latency_s=seconds,
+            async for chunk in resp.aiter_raw():
+                while chunk:
+                    if inflate is None:
+                        add(chunk)
+                        break
+                    add(inflate.decompress(chunk, self.max_bytes - len(out) + 1))
+                    chunk = inflate.unconsumed_tail
+            if inflate is not None:
+                add(inflate.flush())
+        except zlib.error as e:
+            raise ServedError(f"simulator endpoint {self.endpoint} answered a damaged {encoding} body ({e})") from None
+        return bytes(out)
+
+    def _read(self, data: bytes, seconds: float) -> str:
+        """The reply text of a chat completion; anything else stops the run, naming the endpoint."""
+        try:
+            text, usage, why = _completion(json.loads(data))
+        except (ValueError, RecursionError):       # not JSON, or nested deeper than Python recurses
+            text, usage, why = "", (0, 0), "not JSON"
+        if why:
+            raise ServedError(f"simulator endpoint {self.endpoint} answered without a chat completion ({why}): "
+                              f"{_snippet(data)}")
+        self.usage.add(requests=1, prompt_tokens=usage[0], completion_tokens=usage[1], latency_s=seconds,
                        latency_max_s=seconds)
         return text
 
-    def __getstate__(self):        # the HTTP client and its lock are not copied across processes
-        state = dict(self.__dict__)
-        state["_client"] = None
-        return state
+
+def _completion(obj) -> tuple[str, tuple[int, int], str | None]:
+    """(reply text, (prompt, completion) tokens, None) of a parsed chat completion, or
+    ("", (0, 0), what is wrong with it)."""
+    bad = "", (0, 0)
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return *bad, "no choices"
+    message = choices[0].get("message")
+    if not isinstance(message, dict):
+        return *bad, "choices[0].message is not an object"
+    text = message.get("content")
+    if text is not None and not isinstance(text, str):
+        return *bad, f"choices[0].message.content is {_kind(text)}, not a string"
+    usage = obj.get("usage")
+    if usage is None:
+        usage = {}
+    if not isinstance(usage, dict):
+        return *bad, f"usage is {_kind(usage)}, not an object"
+    counts = []
+    for key in ("prompt_tokens", "completion_tokens"):
+        n = usage.get(key)
+        n = 0 if n is None else n
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            return *bad, f"usage.{key} is {n!r}, not a count"
+        counts.append(n)
+    return text or "", tuple(counts), None
+
+
+def _kind(value) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}.get(
+        type(value), type(value).__name__)
+
+
+def _run(coro):
+    """Run `coro` to the end on an event loop of its own (on a thread of its own where this
+    thread already runs one, as a notebook's does)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box = {}
+
+    def target():
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+    thread = threading.Thread(target=target, daemon=True, name="minscope-served")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 class ServedPersonaGuided(ServedSpeaker):
@@ -297,18 +414,15 @@ def take_usage(speakers) -> dict:
     return {f"served_{k}": v for k, v in total.items()}
 
 
-def _snippet(resp, limit: int = 200) -> str:
-    try:
-        text = resp.text
-    except Exception:  # noqa: BLE001 - a body that cannot be decoded
-        text = ""
-    text = " ".join(text.split())
+def _snippet(data: bytes, limit: int = 200) -> str:
+    text = " ".join(data[:4 * limit].decode("utf-8", "replace").split())
     return text[:limit] + ("..." if len(text) > limit else "") if text else "(empty body)"
 
 
-def _retry_after(resp) -> float | None:
-    value = resp.headers.get("retry-after")
+def _retry_after(headers) -> float | None:
+    value = headers.get("retry-after")
     try:
-        return min(60.0, max(0.0, float(value))) if value is not None else None
+        wait = float(value) if value is not None else None
     except ValueError:
         return None
+    return min(60.0, max(0.0, wait)) if wait is not None and math.isfinite(wait) else None

@@ -65,7 +65,8 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
                 cfg: UpdateConfig, pad_id: int) -> dict:
     """One GRPO step on adapter `adapter` from the `key` party's tokens of `episodes`.
 
-    advantages: [len(episodes)], one per episode. Returns averaged statistics.
+    advantages: [len(episodes)], one per episode. Returns the statistics averaged over the epochs
+    whose update was applied (a skipped, non-finite epoch is counted in `skipped_steps`, not averaged in).
     """
     batch = training_batch(episodes, key, pad_id)
     device = next(model.parameters()).device
@@ -85,7 +86,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     params = trainable_parameters(model, adapter)
     model.train()
     sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
-    skipped = 0
+    skipped = 0     # epochs whose update was dropped (non-finite); the statistics average the others
     n_tok = distributed.all_sum(mask.sum()).clamp_min(1)     # over every rank's batch under torchrun
     for _ in range(cfg.epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -107,12 +108,12 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
             finite = finite and bool(torch.isfinite(loss.detach()))
             clipped = token_loss(logp, old[sl], ref_sl, adv_tok, cfg.eps_low, cfg.eps_high, cfg.beta)[2]
             m = mask[sl].bool()
-            epoch["loss"] += loss.item() / cfg.epochs
-            epoch["clip_frac"] += (clipped & m).sum().item() / n_tok.item() / cfg.epochs
-            epoch["entropy"] += (ent * mask[sl]).sum().item() / n_tok.item() / cfg.epochs
+            epoch["loss"] += loss.item()
+            epoch["clip_frac"] += (clipped & m).sum().item() / n_tok.item()
+            epoch["entropy"] += (ent * mask[sl]).sum().item() / n_tok.item()
             if ref is not None:
                 d = kl_log_ratio(ref[sl], logp.detach(), mask[sl])   # no exp where untrained
-                epoch["kl"] += ((d.exp() - d - 1) * mask[sl]).sum().item() / n_tok.item() / cfg.epochs
+                epoch["kl"] += ((d.exp() - d - 1) * mask[sl]).sum().item() / n_tok.item()
         distributed.all_reduce_grads(params)      # torchrun: the whole batch's gradient on every rank
         epoch, finite = distributed.sum_stats(epoch), distributed.all_true(finite)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
@@ -120,12 +121,15 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
             optimizer.step()
             for k, v in epoch.items():
                 sums[k] += v
-            sums["grad_norm"] += grad_norm / cfg.epochs
+            sums["grad_norm"] += grad_norm
             optimizer.nonfinite_streak = 0
         else:
             skip_step(optimizer, adapter)
             skipped += 1
     model.eval()
+    applied = cfg.epochs - skipped
+    if applied:
+        sums = {k: v / applied for k, v in sums.items()}
     sums["tokens"] = int(n_tok.item())
     sums["skipped_steps"] = skipped
     return sums

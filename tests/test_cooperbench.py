@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from minscope import sandbox
 from minscope.envs import cooperbench_eval as ev
 from minscope.envs.base import Episode, Turn
 from minscope.envs.cooperbench import CooperBenchEnv, read_subset
@@ -93,8 +94,19 @@ def make_task(root: Path) -> tuple[Path, Path]:
     return task, repo
 
 
+def need_bwrap():
+    """Model-written code runs only in the sandbox: without bwrap these tests fail in CI (which
+    installs it) and are skipped, saying why, elsewhere."""
+    reason = sandbox.unavailable()
+    if reason and os.environ.get("CI"):
+        pytest.fail(f"CI must test the sandbox for real: {reason}")
+    if reason:
+        pytest.skip(f"no sandbox on this machine ({reason}); install bubblewrap to run these tests")
+
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
+    need_bwrap()
     return make_task(tmp_path_factory.mktemp("cooperbench"))
 
 
@@ -380,6 +392,7 @@ SAMPLES = {"dirty_equals_43": ("samuelcolvin_dirty_equals_task/task43", 9, 36, 2
                     "to a folder with dataset/, repos/ and reference/ as in the CooperBench sample")
 @pytest.mark.parametrize("key", list(SAMPLES))
 def test_the_reference_verdicts_of_two_real_tasks_are_reproduced(key):
+    need_bwrap()
     root = Path(DATA)
     name, n_features, n_pairs, n_both = SAMPLES[key]
     task = root / "dataset" / name

@@ -21,9 +21,13 @@ used its `max_turns` (50, as in the paper) is skipped, and the episode ends when
 
 Tools: list_files, read_file, search, write_file, replace_in_file, run_tests (the
 repository's existing tests; the features' tests stay hidden), send_message, submit. With
-`bash=True` also `bash` (a command in the workspace, as the reference agent's one tool):
-that is NOT a sandbox, the command runs with this user's rights, only its environment is
-scrubbed and HOME moved into a temporary folder.
+`bash=True` also `bash` (a command in the workspace, as the reference agent's one tool).
+Whatever of a coder's executes (run_tests, bash, the regex of search; later the evaluation)
+runs in `minscope.sandbox` (bubblewrap: no network, nothing outside the workspace writable or
+even visible but the system and the test interpreter, resource limits, no process left
+behind). Without bwrap the environment refuses to start unless `unsafe_no_sandbox`. Tool
+arguments are checked (a malformed call gets an error result, never an exception), paths
+stay inside the workspace and never look like options, and every result is clipped.
 
 Data: a CooperBench `dataset/` folder (official layout) and a folder of base repositories,
 one per task: `<repo>_task<N>.tar.gz` or `<repo>_task<N>.<anything>.tar.gz` (a `git archive` of
@@ -45,15 +49,11 @@ of the policy's past adapters).
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import itertools
 import json
-import os
 import re
-import shutil
 import sys
-import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,10 +61,8 @@ from pathlib import Path
 from ..toolcalls import ToolCall, parse_tool_calls
 from . import cooperbench_eval as ev
 from .base import Environment, Episode, Step, Turn
+from .cooperbench_tools import BASH_TOOL, TOOL_OUTPUT_CHARS, TOOLS, Workspace, run_tool, tool_list  # noqa: F401
 
-TOOL_OUTPUT_CHARS = 4000      # tool results are cut to this many characters (head + tail)
-LIST_LIMIT = 300              # entries list_files shows
-SEARCH_LIMIT = 50             # matching lines search shows
 SCORE_CACHE = 4096            # pair verdicts remembered (per process)
 _SCORES: OrderedDict = OrderedDict()   # (task, repo, features, spec, patch hashes) -> evaluate_pair result
 
@@ -159,35 +157,7 @@ def read_subset(path) -> dict[str, list[tuple[int, int]] | None]:
         raise FileNotFoundError(f"{path}: cannot read it as a CooperBench subset file ({e})") from None
 
 
-# --------------------------------------------------------------------------- tools
-def _tool(name, description, properties=None, required=()):
-    return {"type": "function", "function": {
-        "name": name, "description": description,
-        "parameters": {"type": "object", "properties": properties or {}, "required": list(required)}}}
-
-
-_S = {"type": "string"}
-_I = {"type": "integer"}
-TOOLS = [
-    _tool("list_files", "List files and folders under a path of the repository.",
-          {"path": {**_S, "description": "folder relative to the repository root (default '.')"}}),
-    _tool("read_file", "Read a file, with line numbers.",
-          {"path": _S, "start_line": _I, "end_line": _I}, ["path"]),
-    _tool("search", "Search the repository's files for a regular expression; prints file:line: text.",
-          {"pattern": _S, "path": {**_S, "description": "file or folder (default '.')"}}, ["pattern"]),
-    _tool("write_file", "Create or overwrite a file with the given content.",
-          {"path": _S, "content": _S}, ["path", "content"]),
-    _tool("replace_in_file", "Replace one exact occurrence of `old` by `new` in a file.",
-          {"path": _S, "old": _S, "new": _S}, ["path", "old", "new"]),
-    _tool("run_tests", "Run the repository's existing tests with pytest (the tests of the features "
-          "are hidden).", {"path": {**_S, "description": "test file or folder (default: all tests)"}}),
-    _tool("send_message", "Send a message to the other coder; it arrives at their next turn.",
-          {"content": _S}, ["content"]),
-    _tool("submit", "Submit your work: your changes to the repository are your final patch."),
-]
-BASH_TOOL = _tool("bash", "Run a bash command in the repository folder (output cut to 4000 characters).",
-                  {"command": _S}, ["command"])
-
+# --------------------------------------------------------------------------- the prompt
 SYSTEM = """You are {me}, a software engineer. You and another engineer, {other}, work at the same \
 time on the same repository, each in your own copy of it (the current folder is its root). You \
 implement one feature and {other} implements another. When you are both done, your two sets of \
@@ -201,128 +171,6 @@ submit. You have {turns} turns. Tools:
 {tools}"""
 
 
-def tool_list(tools) -> str:
-    """One line per tool, `name(arguments): description`, for the system prompt (a served
-    model gets no tool schemas from a chat template)."""
-    lines = []
-    for t in tools:
-        f = t["function"]
-        args = ", ".join(f["parameters"]["properties"])
-        lines.append(f"- {f['name']}({args}): {f['description']}")
-    return "\n".join(lines)
-
-
-class Workspace:
-    """One coder's clone of the base tree, in a temporary folder."""
-
-    def __init__(self, task: CoopTask, spec: ev.TaskSpec, root: Path):
-        self.dir = Path(tempfile.mkdtemp(prefix="coder-", dir=root))
-        self.path, self.base = ev.clone_base(task.repo, task.task_dir, self.dir / "repo")
-        self.home = self.dir / "home"
-        self.home.mkdir()
-        self.spec = spec
-
-    def resolve(self, rel) -> Path:
-        """A path inside the workspace (never its .git); ValueError otherwise."""
-        rel = str(rel or ".")
-        path = (self.path / rel).resolve()
-        root = self.path.resolve()
-        if path != root and root not in path.parents:
-            raise ValueError(f"{rel}: outside the repository")
-        if ".git" in path.relative_to(root).parts:
-            raise ValueError(f"{rel}: the .git folder is not part of the task")
-        return path
-
-    def patch(self) -> str:
-        """Everything this coder changed, new files included."""
-        ev.git(["add", "-A"], self.path)
-        return ev.git(["diff", "--cached", self.base], self.path).stdout
-
-    def remove(self):
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _lines(path: Path, start=1, end=None) -> str:
-    text = path.read_text(errors="replace").splitlines()
-    start = max(1, int(start or 1))
-    end = len(text) if end in (None, "") else min(len(text), int(end))
-    return "\n".join(f"{i:5d}  {text[i - 1]}" for i in range(start, end + 1)) or "(no lines in that range)"
-
-
-def run_tool(ws: Workspace, call: ToolCall, timeout: float, bash: bool) -> tuple[str, bool]:
-    """Execute one file or test tool in `ws`; returns (result text, error?)."""
-    a, name = call.arguments, call.name
-    try:
-        if name == "list_files":
-            top = ws.resolve(a.get("path", "."))
-            if not top.is_dir():
-                return f"Error: {a.get('path')} is not a folder", True
-            entries = []
-            for dirpath, dirnames, filenames in os.walk(top):
-                dirnames[:] = sorted(d for d in dirnames if d != ".git")
-                rel = Path(dirpath).relative_to(ws.path)
-                entries += [f"{rel / d}/" for d in dirnames] + [str(rel / f) for f in sorted(filenames)]
-                if len(entries) > LIST_LIMIT:
-                    break
-            shown = [e.removeprefix("./") for e in entries[:LIST_LIMIT]]
-            more = f"\n[... {len(entries) - LIST_LIMIT} more]" if len(entries) > LIST_LIMIT else ""
-            return "\n".join(shown) + more, False
-        if name == "read_file":
-            path = ws.resolve(a["path"])
-            if not path.is_file():
-                return f"Error: no file {a['path']}", True
-            return _lines(path, a.get("start_line"), a.get("end_line")), False
-        if name == "search":
-            pattern = re.compile(str(a["pattern"]))
-            top = ws.resolve(a.get("path", "."))
-            files = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file() and ".git" not in p.parts)
-            hits = []
-            for f in files:
-                try:
-                    for i, line in enumerate(f.read_text().splitlines(), 1):
-                        if pattern.search(line):
-                            hits.append(f"{f.relative_to(ws.path)}:{i}: {line.strip()[:200]}")
-                except (UnicodeDecodeError, OSError):
-                    continue
-                if len(hits) >= SEARCH_LIMIT:
-                    break
-            return "\n".join(hits[:SEARCH_LIMIT]) or "no matches", False
-        if name == "write_file":
-            path = ws.resolve(a["path"])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(str(a["content"]))
-            return f"wrote {a['path']} ({len(str(a['content']).splitlines())} lines)", False
-        if name == "replace_in_file":
-            path = ws.resolve(a["path"])
-            if not path.is_file():
-                return f"Error: no file {a['path']}", True
-            text, old = path.read_text(), str(a["old"])
-            count = text.count(old) if old else 0
-            if count != 1:
-                return (f"Error: `old` occurs {count} times in {a['path']}; it must occur exactly once "
-                        "(include more surrounding lines)"), True
-            path.write_text(text.replace(old, str(a["new"]), 1))
-            return f"replaced 1 occurrence in {a['path']}", False
-        if name == "run_tests":
-            target = ws.resolve(a.get("path") or "tests")
-            python = ev.test_python(ws.spec)
-            rc, out, _ = ev.run_limited([python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                         str(target.relative_to(ws.path))], ws.path,
-                                        ev.test_env(ws.path, ws.spec, ws.home), timeout)
-            status = "timed out" if rc is None else f"exit code {rc}"
-            return f"{status}\n{ev.clip(out, TOOL_OUTPUT_CHARS)}", rc != 0
-        if name == "bash" and bash:
-            env = ev.test_env(ws.path, ws.spec, ws.home)
-            rc, out, _ = ev.run_limited(["bash", "-c", str(a["command"])], ws.path, env, timeout)
-            return json.dumps({"returncode": rc if rc is not None else -9,
-                               "output": ev.clip(out, TOOL_OUTPUT_CHARS)}), rc != 0
-    except KeyError as e:
-        return f"Error: {name} needs the argument {e}", True
-    except (ValueError, OSError, re.error) as e:
-        return f"Error: {e}", True
-    return f"Error: unknown tool {name!r}", True
-
-
 # --------------------------------------------------------------------------- the environment
 ROLES = ("agent", "partner")
 
@@ -334,9 +182,11 @@ class CooperBenchEnv(Environment):
     (`<repo>_task/task<N>`, default all in `data`); subset / test_subset: official subset files
     choosing the training / held-out pairs (held-out pairs are never training pairs; without
     test_subset there is no test split);
-    max_turns: generated turns per coder; bash: also offer the `bash` tool (not a sandbox);
+    max_turns: generated turns per coder; bash: also offer the `bash` tool;
     specs: TaskSpec per task name, for tasks outside `cooperbench_eval.MANIFEST`;
-    tool_timeout: seconds for run_tests and bash.
+    tool_timeout: seconds for run_tests and bash;
+    unsafe_no_sandbox: where bwrap is missing, run the coders' code with this user's rights
+    instead of refusing (EvalError) to start.
     """
 
     name = "cooperbench"
@@ -346,11 +196,17 @@ class CooperBenchEnv(Environment):
     default_simulator_reward = "shared"
 
     def __init__(self, data, repos, tasks=None, subset=None, test_subset=None, max_turns: int = 50,
-                 bash: bool = False, specs: dict | None = None, tool_timeout: float = 120):
+                 bash: bool = False, specs: dict | None = None, tool_timeout: float = 120,
+                 unsafe_no_sandbox: bool = False):
         self.max_turns, self.bash, self.tool_timeout = max_turns, bash, tool_timeout
-        if bash:
-            print("warning: the cooperbench bash tool runs model-written commands with your rights; "
-                  "it is not a sandbox (only its environment is scrubbed)", file=sys.stderr)
+        self.unsafe = unsafe_no_sandbox
+        try:
+            ev.sandbox.check(unsafe_no_sandbox)
+        except ev.sandbox.SandboxUnavailable as e:
+            raise ev.EvalError(str(e)) from None
+        if unsafe_no_sandbox and ev.sandbox.unavailable():
+            print(f"warning: {ev.sandbox.unavailable()}: the coders' tests{' and bash commands' * bash} "
+                  "and the final evaluation run with your rights (--unsafe-no-sandbox)", file=sys.stderr)
         self.task_dirs = find_task_dirs(data, tasks)
         self.specs = {}
         self.repos = {}
@@ -423,9 +279,8 @@ class CooperBenchEnv(Environment):
         spaces = episode.info.setdefault("workspaces", {})
         if role not in spaces:
             if self._root is None or not self._root.exists():
-                self._root = Path(tempfile.mkdtemp(prefix="minscope-coders-"))
-                atexit.register(shutil.rmtree, self._root, True)
-            spaces[role] = Workspace(episode.task, self.specs[episode.task.name], self._root)
+                self._root = ev.temp_root("minscope-coders-")      # (removed at exit and on SIGTERM)
+            spaces[role] = Workspace(episode.task, self.specs[episode.task.name], self._root, self.unsafe)
         return spaces[role]
 
     def after_turn(self, episode: Episode) -> Step:
@@ -456,7 +311,7 @@ class CooperBenchEnv(Environment):
                         text, error = f"{other_name} has already finished; the message was not delivered", True
                     else:
                         state[role]["messages"] += 1
-                        inject.append(Turn("env", f"[Message from {me}]: {content}", to=other,
+                        inject.append(Turn("env", ev.clip(f"[Message from {me}]: {content}", TOOL_OUTPUT_CHARS), to=other,
                                            meta={"tool_name": "message", "from": role}))
                         text, error = f"message sent to {other_name}", False
                 elif name == "submit":
@@ -466,7 +321,7 @@ class CooperBenchEnv(Environment):
                     text, error = run_tool(self.workspace(episode, role), call, self.tool_timeout, self.bash)
             state[role]["tool_errors"] += error
             names.append(name)
-            inject.append(Turn("env", text, to=role, meta={"tool_name": name, "error": error}))
+            inject.append(Turn("env", ev.clip(text, TOOL_OUTPUT_CHARS), to=role, meta={"tool_name": name, "error": error}))
             if state[role]["submitted"]:
                 break                          # nothing after submit runs
         turn.meta["tool_calls"] = names
@@ -500,7 +355,7 @@ class CooperBenchEnv(Environment):
                hashlib.sha1(patch1.encode()).hexdigest(), hashlib.sha1(patch2.encode()).hexdigest())
         if key not in _SCORES:
             _SCORES[key] = ev.evaluate_pair(task.task_dir, task.repo, task.feature1, task.feature2,
-                                            patch1, patch2, spec=spec)
+                                            patch1, patch2, spec=spec, unsafe_no_sandbox=self.unsafe)
             if len(_SCORES) > SCORE_CACHE:
                 _SCORES.popitem(last=False)
         _SCORES.move_to_end(key)

@@ -16,6 +16,11 @@ merged tree. This module does the same steps with git and a subprocess:
       .gitattributes (not staged) and the merge is redone; `git diff BASE HEAD` is the merged
       patch, and each feature's runner.sh runs on a fresh tree with it. Success = both pass.
 
+The test commands run model-written code, so they run in `minscope.sandbox` (bubblewrap: no
+network, only the tree and a scratch HOME writable, the tree's .git read-only); clones copy
+their objects (`--no-hardlinks`), so nothing reaches the user's repository; the scratch folder
+goes at exit and on SIGTERM.
+
 Instead of `pip install -e .` in the image, the patched tree goes first on PYTHONPATH (the repo
 root, or `src/`) of a Python whose virtual environment holds only the task's test dependencies
 (built once per dependency set and cached, so later runs are offline). That is what makes a
@@ -38,13 +43,17 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from .. import sandbox
 
 OUTPUT_CHARS = 20_000        # test output kept in a result (head + tail); counts use all of it
 READ_LIMIT = 8 * 2**20       # bytes of test output read back (a runaway test can print forever)
@@ -191,44 +200,47 @@ def clip(text: str, limit: int = OUTPUT_CHARS) -> str:
     return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
 
 
-def run_limited(cmd, cwd, env, timeout) -> tuple[int | None, str, float]:
-    """Run `cmd` in its own process group with a timeout (the whole group is killed then);
-    output goes to a file and at most READ_LIMIT bytes (head and tail) are read back.
-    Returns (exit code or None on timeout, output, seconds)."""
-    start = time.perf_counter()
-    with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            rc = None
-        size = out.seek(0, os.SEEK_END)
-        out.seek(0)
-        if size <= READ_LIMIT:
-            data = out.read()
-        else:
-            data = out.read(READ_LIMIT // 2) + b"\n[... output cut ...]\n"
-            out.seek(size - READ_LIMIT // 2)
-            data += out.read()
-    return rc, data.decode("utf-8", "replace"), time.perf_counter() - start
+def run_limited(cmd, cwd, env, timeout, writable=(), readable=(), readonly_inside=(),
+                unsafe=False) -> tuple[int | None, str, float]:
+    """Run model-written code: `cmd` in `cwd` inside the sandbox (`minscope.sandbox.run`: no
+    network, only `writable` writable, a timeout that kills every process it started, at most
+    READ_LIMIT bytes of output read back). Returns (exit code or None on timeout, output, seconds).
+    unsafe: where bwrap is missing, run it unsandboxed instead of raising SandboxUnavailable."""
+    return sandbox.run(cmd, cwd, env, timeout, writable=writable, readable=readable,
+                       readonly_inside=readonly_inside, unsafe=unsafe, read_limit=READ_LIMIT)
 
 
 # --------------------------------------------------------------------------- scratch space
 _ROOT: Path | None = None
+_TEMP_ROOTS: list[Path] = []
+
+
+def _remove_temp_roots(signum, frame):
+    """SIGTERM (what torchrun and job schedulers send) skips atexit: remove the temporary
+    folders, then die of the signal as before."""
+    for path in _TEMP_ROOTS:
+        shutil.rmtree(path, ignore_errors=True)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def temp_root(prefix: str) -> Path:
+    """A new temporary folder (its resolved path: a symlinked TMPDIR, as on macOS, gives one
+    name for it everywhere), removed at exit and on SIGTERM."""
+    path = Path(tempfile.mkdtemp(prefix=prefix)).resolve()
+    _TEMP_ROOTS.append(path)
+    atexit.register(shutil.rmtree, path, True)
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _remove_temp_roots)
+    return path
 
 
 def scratch_root() -> Path:
     """This process's temporary folder (base trees, evaluation clones); removed at exit."""
     global _ROOT
     if _ROOT is None or not _ROOT.exists():
-        _ROOT = Path(tempfile.mkdtemp(prefix="minscope-cooperbench-"))
-        atexit.register(shutil.rmtree, _ROOT, True)
+        _ROOT = temp_root("minscope-cooperbench-")
     return _ROOT
 
 
@@ -270,7 +282,8 @@ def base_repo(repo, task_dir=None) -> Path:
     if git(["cat-file", "-e", f"{at}^{{commit}}"], repo).returncode != 0:
         raise EvalError(f"{repo} does not hold the base commit {at} of {task_name(task_dir)}: "
                         f"fetch it (git -C {repo} fetch origin {at})")
-    git(["clone", "-q", "--no-checkout", str(repo), str(dest / "tree")], dest, check=True)
+    # --no-hardlinks: a copy of the objects, so nothing done to the clone can reach the user's repository
+    git(["clone", "-q", "--no-hardlinks", "--no-checkout", str(repo), str(dest / "tree")], dest, check=True)
     git(["checkout", "-q", "-B", "minscope-base", at], dest / "tree", check=True)
     _BASES[key] = dest / "tree"
     return dest / "tree"
@@ -279,7 +292,7 @@ def base_repo(repo, task_dir=None) -> Path:
 def clone_base(repo, task_dir, into) -> tuple[Path, str]:
     """A fresh working clone of the base tree at `into`; returns (path, base sha)."""
     src = base_repo(repo, task_dir)
-    git(["clone", "-q", "--local", str(src), str(into)], Path(into).parent, check=True)
+    git(["clone", "-q", "--no-hardlinks", str(src), str(into)], Path(into).parent, check=True)
     sha = git(["rev-parse", "HEAD"], into, check=True).stdout.strip()
     return Path(into), sha
 
@@ -324,12 +337,17 @@ def test_python(spec: TaskSpec) -> str:
     return str(python)
 
 
-def test_env(tree: Path, spec: TaskSpec, home: Path) -> dict:
+def test_env(tree: Path, spec: TaskSpec, home: Path, python=None) -> dict:
     """The environment of a test run: the patched tree first on PYTHONPATH, nothing inherited
-    but PATH, HOME inside the scratch folder. TMPDIR stays the system's (/tmp): some tests
-    pass temporary file names to commands that read them as arguments (click's sed editor
-    tests), so their verdicts depend on what those names look like."""
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
+    but PATH (the test interpreter's folder first, as `python` is the image's in Docker: tests
+    run `python -c ...` as a command, and in the sandbox a PATH entry like a pyenv shim folder
+    does not exist), HOME inside the scratch folder. TMPDIR stays the system's (/tmp; in the
+    sandbox its private /tmp): some tests pass temporary file names to commands that read them
+    as arguments (click's sed editor tests), so their verdicts depend on what those names look like."""
+    path = os.environ.get("PATH", "/usr/bin:/bin")
+    if python:
+        path = f"{Path(python).parent}{os.pathsep}{path}"
+    return {"PATH": path, "HOME": str(home),
             "LANG": "C.UTF-8", "PYTHONPATH": str((tree / spec.import_root).resolve()),
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", **dict(spec.env)}
 
@@ -380,10 +398,12 @@ def runner_apply(tree: Path, patch_file: Path) -> tuple[bool, str]:
     return second.returncode == 0, (first.stderr + second.stderr).strip()
 
 
-def run_runner(tree: Path, spec: TaskSpec, tests_patch: Path, feature_patch: Path | None, home: Path) -> dict:
+def run_runner(tree: Path, spec: TaskSpec, tests_patch: Path, feature_patch: Path | None, home: Path,
+               unsafe: bool = False) -> dict:
     """runner.sh on `tree` (already at the base): reset and clean, the feature patch (when
     given: a file, possibly empty, as the official merged patch), the tests patch, the test
-    commands. Returns passed, rc, tests_passed, tests_failed, stage, test_seconds, output."""
+    commands, these in the sandbox (only `tree` and `home` writable, `tree/.git` not).
+    Returns passed, rc, tests_passed, tests_failed, stage, test_seconds, output."""
     git(["reset", "-q", "--hard", "HEAD"], tree)
     git(["clean", "-q", "-fdx"], tree)
     result = {"passed": False, "rc": 1, "tests_passed": 0, "tests_failed": 0, "stage": None,
@@ -397,7 +417,9 @@ def run_runner(tree: Path, spec: TaskSpec, tests_patch: Path, feature_patch: Pat
             return result
     python, outputs, rc, seconds = test_python(spec), [], 0, 0.0
     for command in spec.tests:
-        code, text, took = run_limited([python, "-m", *command], tree, test_env(tree, spec, home), spec.timeout)
+        code, text, took = run_limited([python, "-m", *command], tree, test_env(tree, spec, home, python), spec.timeout,
+                                       writable=(tree, home), readable=sandbox.python_dirs(python),
+                                       readonly_inside=(tree / ".git",), unsafe=unsafe)
         outputs.append(text)
         seconds += took
         if code is None:
@@ -424,16 +446,18 @@ def _feature_dir(task_dir, feature) -> Path:
 
 
 def evaluate_feature(task_dir, repo, feature, patch: str, spec: TaskSpec | None = None,
-                     keep_output: bool = True) -> dict:
+                     keep_output: bool = True, unsafe_no_sandbox: bool = False) -> dict:
     """One feature's tests on the base tree with `patch` applied (runner.sh semantics).
 
     `repo`: a git clone holding the base commit, or a .tar.gz of the base tree. `patch`: the
     patch text; "" = no change. Test-file blocks are dropped from the patch first (as the
     official run_patch_test does); a non-empty patch with nothing else is an error (passed
     False). Returns passed, rc, tests_passed, tests_failed, stage (None, apply_feature,
-    apply_tests, timeout), test_seconds, wall_seconds, output, error.
+    apply_tests, timeout), test_seconds, wall_seconds, output, error. The tests run in the
+    sandbox; without bwrap, sandbox.SandboxUnavailable unless unsafe_no_sandbox.
     """
     start = time.perf_counter()
+    sandbox.check(unsafe_no_sandbox)
     spec = task_spec(task_dir, spec)
     tests_patch = _feature_dir(task_dir, feature) / "tests.patch"
     patch = sanitize_patch(patch)
@@ -453,7 +477,7 @@ def evaluate_feature(task_dir, repo, feature, patch: str, spec: TaskSpec | None 
         tests.write_text(tests_patch.read_text())
         home = work / "home"
         home.mkdir()
-        result = run_runner(tree, spec, tests, feature_patch, home)
+        result = run_runner(tree, spec, tests, feature_patch, home, unsafe_no_sandbox)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not keep_output:
@@ -508,16 +532,18 @@ def merge_patches(tree: Path, base: str, patch1: str, patch2: str, work: Path) -
 
 
 def evaluate_pair(task_dir, repo, feature1, feature2, patch1: str, patch2: str,
-                  spec: TaskSpec | None = None, keep_output: bool = False) -> dict:
+                  spec: TaskSpec | None = None, keep_output: bool = False, unsafe_no_sandbox: bool = False) -> dict:
     """Two coders' patches merged as the official `test_merged` merges them, then each
     feature's tests on the merged tree. Coder 1 (patch1) implemented feature1.
 
     Returns apply_status ({"agent1", "agent2"}: applied | skipped | failed), merge ({"status":
     "clean" | "conflicts", "strategy": "naive" | "union" | "union-failed", "diff_lines",
     "diff"}), feature1 and feature2 (each as `evaluate_feature` reports), both_passed,
-    wall_seconds, error. A union merge that still conflicts fails both features.
+    wall_seconds, error. A union merge that still conflicts fails both features. The tests run
+    in the sandbox; without bwrap, sandbox.SandboxUnavailable unless unsafe_no_sandbox.
     """
     start = time.perf_counter()
+    sandbox.check(unsafe_no_sandbox)
     spec = task_spec(task_dir, spec)
     tests = [_feature_dir(task_dir, f) / "tests.patch" for f in (feature1, feature2)]
     p1, p2 = (sanitize_patch(strip_test_files(sanitize_patch(p))) for p in (patch1, patch2))
@@ -537,7 +563,8 @@ def evaluate_pair(task_dir, repo, feature1, feature2, patch1: str, patch2: str,
             for i, test_patch in enumerate(tests):
                 git(["checkout", "-q", "--force", base], tree)
                 (work / f"tests{i + 1}.patch").write_text(test_patch.read_text())
-                results.append(run_runner(tree, spec, work / f"tests{i + 1}.patch", work / "merged.patch", home))
+                results.append(run_runner(tree, spec, work / f"tests{i + 1}.patch", work / "merged.patch", home,
+                                          unsafe_no_sandbox))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if not keep_output:
