@@ -10,8 +10,8 @@ peft's vanilla LoRA (one active adapter, or one adapter per row as peft's mixed 
 So its logits are bit-identical to the general path's (tests/test_rollout.py checks it).
 
 `lean_forward(model)` returns None for anything else (other architectures, eager attention,
-merged or non-vanilla LoRA, dropout in training mode, a real model on a GPU...): those keep
-the general path. Real models never take this one.
+merged or non-vanilla LoRA, LoRA dropout, forward hooks on any module, a real model on a
+GPU...): those keep the general path. Real models never take this one.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ def lean_forward(model):
         return None
     if type(base.model.embed_tokens) is not torch.nn.Embedding:
         return None
+    hooks = torch.nn.modules.module
+    if (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+            or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())):
+        return None       # someone watches or changes a module's output: the general path calls them
     linears = [m for m in base.modules() if isinstance(m, LoraLinear)]
     for m in linears:
         if m.merged or m.lora_variant or any(not isinstance(d, torch.nn.Identity) for d in m.lora_dropout.values()):

@@ -51,3 +51,17 @@ def test_lean_forward_is_for_tiny_sdpa_llamas_only(tokenizer):
     assert lean.lean_forward(build_tiny_model(tokenizer, "llama", hidden_size=32, attention="eager")) is None
     dropout = add_adapters(build_tiny_model(tokenizer, "llama", hidden_size=32), ["drop"], dropout=0.1)
     assert lean.lean_forward(dropout) is None
+    hooked = build_tiny_model(tokenizer, "llama", hidden_size=32)
+    handle = hooked.get_output_embeddings().register_forward_hook(lambda m, i, o: o + 1.0)
+    assert lean.lean_forward(hooked) is None            # a hook on any module: the general path
+    handle.remove()
+    assert lean.lean_forward(hooked) is not None
+
+
+def test_the_toy_models_take_the_lean_path(tmp_path):
+    from minscope import toy_models
+
+    models = toy_models.ToyModels(tmp_path, progress=False, log=lambda *a: None)   # the shipped models
+    policy = add_adapters(models.policy_base(), ["policy"], r=16, alpha=32, target_modules="all-linear+head")
+    assert lean.lean_forward(policy) is not None
+    assert lean.lean_forward(models.simulator("sim-a")[0]) is not None
