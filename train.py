@@ -5,8 +5,8 @@ there is a GPU: its models are 64 wide, one process per core suits them): tiny
 language models are trained from scratch and cached, then Base, RL (Single), Verbalized
 Sampling, Ensemble, Co-Training, Population Co-Training and an oracle arm are trained for
 3 seeds each (plus three Co-Training variants, seed 0) and evaluated on a held-out panel,
-in one process per available CPU core: about 41 CPU-minutes (predicted from
-bench/profile_toy.py: ~21 minutes on two free cores, ~6 on eight; docs/RESULTS.md "Runtime").
+in one process per available CPU core: about 49 CPU-minutes (predicted from
+bench/profile_toy.py: ~25 minutes on two free cores, ~7 on eight; docs/RESULTS.md "Runtime").
 The tiny models ship with the code (minscope/toy_weights), so a first run trains none; a
 progress line after each arm says how many are done and the time left. Ctrl-C
 loses at most one step (--resume continues). Results land in runs/<name>/ (report.md,

@@ -220,7 +220,7 @@ def _run_logged(toy, method, seed, run_dir: Path, stop_after=None, progress=True
 # CPU-seconds of one default arm of each kind: bench/profile_toy.py's projection (ensemble as
 # single) x 1.37, the ratio of a whole run's measured CPU time to the projection. They order
 # the jobs, make the first estimate, and turn finished arms into the ETA (by their ratios)
-ARM_SECONDS = {"base": 7, "single": 75, "ensemble": 75, "oracle": 58, "vs": 182, "cotrain": 134, "population": 147}
+ARM_SECONDS = {"base": 7, "single": 75, "ensemble": 75, "oracle": 62, "vs": 159, "cotrain": 208, "population": 190}
 
 
 def arm_cost(method: str) -> float:

@@ -37,7 +37,7 @@ def is_toy_variant(tweak: str) -> bool:
 
 @dataclass
 class ToyConfig:
-    """Settings of the toy experiment (defaults: the headline run, ~41 CPU-minutes, predicted
+    """Settings of the toy experiment (defaults: the headline run, ~49 CPU-minutes, predicted
     by bench/profile_toy.py: docs/RESULTS.md, "Runtime")."""
     name: str = "toy"
     methods: tuple = TOY_METHODS          # "base" = the untrained policy, evaluated only
