@@ -106,7 +106,7 @@ def default_counts(kind: str, **cadence) -> dict:
     meters = [s for s in evals if c.meter_every and (s % c.meter_every == 0 or s == c.steps)]
     out = {"train": c.steps, "save": c.steps, "eval": len(evals) - 1, "eval_final": 1, "meter": len(meters)}
     if kind.partition(":")[0] in ("cotrain", "population"):
-        out["pool"] = len(range(0, c.steps, c.pool_measure_every or c.pool_every))
+        out["pool"] = len(range(0, c.steps, getattr(c, "pool_measure_every", 0) or c.pool_every))   # (older code: none)
     return out
 
 
