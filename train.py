@@ -4,9 +4,11 @@ With no arguments this runs the toy persuasion experiment offline, on the CPU (a
 there is a GPU: its models are 64 wide, one process per core suits them): tiny
 language models are trained from scratch and cached, then Base, RL (Single), Verbalized
 Sampling, Ensemble, Co-Training, Population Co-Training and an oracle arm are trained for
-3 seeds each (plus three Co-Training variants, seed 0) and evaluated on a held-out panel:
-about 51 CPU-minutes once the tiny models are cached (measured: 1 h 15 min on 2 shared CPU
-cores; roughly half an hour on two free ones), plus their one-time build; Ctrl-C
+3 seeds each (plus three Co-Training variants, seed 0) and evaluated on a held-out panel,
+in one process per available CPU core: about 49 CPU-minutes (predicted from
+bench/profile_toy.py: ~25 minutes on two free cores, ~7 on eight; docs/RESULTS.md "Runtime").
+The tiny models ship with the code (minscope/toy_weights), so a first run trains none; a
+progress line after each arm says how many are done and the time left. Ctrl-C
 loses at most one step (--resume continues). Results land in runs/<name>/ (report.md,
 results.json, plots). `--quick` runs the same code path in about three minutes (1 seed,
 4 arms, small models: a smoke run, too small to show the effect).
@@ -86,8 +88,8 @@ def build_parser():
                    "batch-wide for curriculum, which group refuses), joined by '+'")
     p.add_argument("--seeds", help="toy: comma-separated seeds (default: 0,1,2)")
     p.add_argument("--steps", type=whole(0), help="policy updates per arm")
-    p.add_argument("--workers", type=whole(1), help="toy: arms trained in parallel processes, one CPU "
-                   "thread each (default 2; use the number of cores)")
+    p.add_argument("--workers", type=whole(1), help="toy: arms trained in parallel processes (default: "
+                   "one per available CPU core, at most one per arm)")
     # real models
     p.add_argument("--method", help="real env: single (default)|vs|ensemble|persona|cotrain|"
                    "population|selfplay|population-selfplay")

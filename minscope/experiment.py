@@ -13,6 +13,10 @@ replaced atomically, `minscope/files.py`), so an interrupted run loses at most t
 progress, and `--resume` continues where it stopped. All randomness (torch, numpy, python) is restored too, so on CPU a resumed run ends
 with the same numbers as an uninterrupted one.
 
+The run folder's layout and readers are `minscope/runfolder.py`; the settings and the shared
+set-up (models, environment, panel, arms) `minscope/toy_setup.py`; the worker processes
+`minscope/armpool.py`.
+
 Evaluations run on random streams of their own, seeded by (seed, step) (`isolated_rng`): how
 often or how long an arm is evaluated does not change its training, and re-evaluating a saved
 checkpoint with `eval_record` reproduces the number the run logged.
@@ -23,239 +27,28 @@ from __future__ import annotations
 import copy
 import json
 import random
-import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .envs.toy import RealUsers, ToyEnv, World
+from . import runfolder
+from .armpool import default_workers, run_pool, threads_per_worker
 from .diversity import member_profile, pool_diversity
 from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
-from .files import RunLock, load_state, read_jsonl, save_atomic, truncate_log, write_text_atomic
-from .methods import Method, build_method, train_step
-from .models import adapter_state, add_adapters, load_adapter_state
-from .monitor import CollapseMonitor, MonitorConfig, log_with_alarms
-from .rollout import LMSpeaker
-from .sft import encode_chat, pad_batch
+from .files import RunLock, load_state, read_jsonl, save_atomic, write_text_atomic
+from .methods import Method, train_step
+from .models import adapter_state, load_adapter_state
+from .monitor import CollapseMonitor, log_with_alarms
+from .runfolder import MetricsLog, arm_name, check_saved_arms
 from .simulators import Frozen, Population
-from .toy_models import ToyModelConfig, ToyModels, aligned_fidelity, fidelity, fidelity_problems, worker_init
-from .trainer import UpdateConfig
-
-TOY_METHODS = ("base", "single", "vs", "ensemble", "cotrain", "population", "oracle")
-# what may follow the colon of an ablation arm, joined by "+" (see Toy.method)
-TOY_VARIANTS = ("adversarial", "cooperative", "curriculum", "anchor", "group", "batch", "g<gamma>")
-
-
-def is_toy_variant(tweak: str) -> bool:
-    """One tweak of an ablation arm: a name of TOY_VARIANTS, or g<gamma> (e.g. g2: the trained
-    simulator starts from the aligned model of gamma 2)."""
-    return tweak in TOY_VARIANTS[:-1] or bool(re.fullmatch(r"g\d+(\.\d+)?", tweak))
-
-
-@dataclass
-class ToyConfig:
-    """Settings of the toy experiment (defaults: the headline run, ~51 CPU-minutes with the
-    tiny models cached: docs/RESULTS.md, "Runtime")."""
-    name: str = "toy"
-    methods: tuple = TOY_METHODS          # "base" = the untrained policy, evaluated only
-    seeds: tuple = (0, 1, 2)
-    # Co-Training variants (see Toy.method), run for `ablation_seeds` only
-    ablations: tuple = ("cotrain:adversarial", "cotrain:anchor", "population:anchor")
-    ablation_seeds: tuple = (0,)
-    steps: int = 50                       # policy updates per arm
-    groups: int = 8                       # rollout groups per step (tasks = personas, cycled)
-    group_size: int = 8                   # G trajectories per group
-    gamma: float = 8.0                    # sharpening of the "aligned" simulators
-    policy_lr: float = 2e-3
-    sim_lr: float = 1e-3
-    lora_r: int = 16
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    beta: float = 0.04                    # KL to the untrained policy: keeps utterances well-formed
-    epochs: int = 2
-    sim_reward: str = "curriculum"
-    # The trained simulator's optimiser (Co-Training, Population Co-Training). The defaults
-    # are the toy's measured settings, not the paper's: the paper trains every model with a
-    # KL of 0.005 to its start, weight decay 0.1 and, reading its on-policy REINFORCE, one
-    # pass per batch (sim_beta=0.005, sim_weight_decay=0.1, sim_epochs=1). The sweep in
-    # ../shared/docs/COTRAIN_SWEEP.md found they do not change the outcome here; the
-    # defaults stay until the toy runs are re-measured.
-    sim_beta: float = 0.0                 # KL to the simulator's start (paper 0.005)
-    sim_weight_decay: float = 0.0         # AdamW weight decay (paper 0.1)
-    sim_epochs: int = 2                   # passes per batch (paper: 1)
-    # What Co-Training and Population Co-Training start from: "aligned" = the aligned simulator
-    # model (toy_models: SFT'd on sharpened users, models.aligned_gamma), sampled at the
-    # rollout temperature like the paper's; "sharpened" = a copy of sim-a sampled at 1/gamma
-    # (the earlier design: a near-greedy sampler that RL barely moves)
-    sim_start: str = "aligned"
-    sim_baseline: str = "auto"            # group-wise, batch-wide for curriculum (methods.resolve_sim_baseline)
-    pool_size: int = 5
-    pool_every: int = 4                   # a snapshot (and a pool-diversity measurement) every k steps
-    diversity_samples: int = 32           # replies per persona and history in pool_diversity
-    vs_k: int = 5
-    eval_every: int = 10
-    eval_episodes: int = 8                # per persona per panel member (real users: x4)
-    final_episodes: int = 256             # per persona, real users, last step: the headline number
-                                          # (1,024 episodes: standard error ~0.013; ~5 s per arm)
-    # The paper evaluates at temperature 0. A 64-wide policy's greedy decode can splice two
-    # acts into one invalid utterance (it did, for 2 of 6 runs at the last step, while its
-    # samples were valid), so the toy evaluates the policy it trains: sampling at temperature 1.
-    eval_temperature: float = 1.0
-    meter_every: int = 30                 # collapse meter cadence (0 = off)
-    temperature: float = 1.0              # policy sampling temperature in training
-    policy_max_new_tokens: int = 6        # an act is one token + end of turn; room to garble
-    workers: int = 2                      # arms trained in parallel, one CPU thread each
-    models: ToyModelConfig = field(default_factory=ToyModelConfig)
-    monitor: MonitorConfig = field(default_factory=MonitorConfig)   # the live collapse monitor
-
-    def arms(self) -> list[tuple[str, int]]:
-        """(method, seed) of every arm: the methods x seeds, then the ablations."""
-        return ([(m, s) for m in self.methods for s in self.seeds]
-                + [(m, s) for m in self.ablations for s in self.ablation_seeds])
-
-    @classmethod
-    def quick(cls, **kw):
-        """--quick: a couple of minutes; the same code path, smaller everything."""
-        base = dict(name="toy-quick", methods=("base", "single", "vs", "oracle"), seeds=(0,), steps=12, ablations=(),
-                    groups=4, eval_every=6, eval_episodes=4, final_episodes=64, meter_every=0,
-                    models=ToyModelConfig(transcripts=1000, vs_examples=400, sim_a_steps=200, vs_steps=220,
-                                          sim_steps=150, policy_steps=100, aligned_steps=150, batch=32))
-        base.update(kw)
-        return cls(**base)
-
-
-def load_config(path) -> ToyConfig:
-    """The ToyConfig saved in a run's config.json, or one message naming the file."""
-    from .files import RunFileError, read_json
-
-    saved = read_json(path)
-    try:
-        models = ToyModelConfig(**saved.pop("models"))
-        monitor = MonitorConfig(**saved.pop("monitor", {}))
-        return ToyConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()},
-                         models=models, monitor=monitor)
-    except (KeyError, TypeError) as e:
-        raise RunFileError(f"{path} is not the config.json of a toy run ({e})") from None
-
-
-def reference_values(gamma: float) -> dict:
-    """Exact values on the real users that every report shows (see minscope.envs.toy)."""
-    from .envs.toy import sharpened
-
-    world = World()
-    seq = world.exploit(gamma)            # the cheap exploit of collapsed simulators
-    exploit = lambda history: seq[len(history) // 2]   # noqa: E731
-    return {"random": world.random_value(), "best_fixed": world.best_fixed()[0],
-            "best_adaptive": world.best_adaptive()[0], "exploit": list(seq),
-            "exploit_real": world.exact_value(exploit),
-            "exploit_sharpened": world.exact_value(exploit, reply_dist=sharpened(world.reply_dist, gamma))}
-
-
-def arm_name(method: str, seed: int) -> str:
-    return f"{method}-s{seed}"
-
-
-# --------------------------------------------------------------------------- set-up
-class AnchorBatches:
-    """`m.anchor` of an anchored arm: each call, a random SFT batch of real-user transcripts.
-    Its `rng` is part of the arm's saved state, so a resumed run draws the same batches."""
-
-    def __init__(self, encoded, batch: int, pad_id: int, rng: random.Random):
-        self.encoded, self.batch, self.pad_id, self.rng = encoded, batch, pad_id, rng
-
-    def __call__(self):
-        return pad_batch(self.rng.sample(self.encoded, self.batch), self.pad_id)
-
-
-class Toy:
-    """Everything shared by the arms of one run: models, environment, evaluation panel."""
-
-    def __init__(self, cfg: ToyConfig, cache_dir, log=print, progress=True):
-        self.cfg, self.log = cfg, log
-        self.models = ToyModels(cache_dir, cfg.models, progress=progress, log=log)
-        self.tokenizer = self.models.tokenizer
-        self.env, self.world = ToyEnv(), World()      # (the real users' world, sim-a's too)
-        self.base_model, self.sims = self.models.all()
-        t = 1.0 / cfg.gamma
-        self.frozen = {name: Frozen(model, self.tokenizer, temperature=t, max_new_tokens=12, name=name)
-                       for name, (model, kind, world) in self.sims.items()}
-        self.vs_simulator = self.frozen.pop("sim-a-vs")
-
-    def sim_a_profile(self) -> dict:
-        """sim-a as the frozen arms meet it (temperature 1/gamma), profiled for pool_diversity
-        once per process, on a stream of its own."""
-        if not hasattr(self, "_sim_a_profile"):
-            with isolated_rng(4242):
-                self._sim_a_profile = member_profile(self.frozen["sim-a"], self.world, self.cfg.gamma,
-                                                     self.cfg.diversity_samples)
-        return self._sim_a_profile
-
-    def panel(self, seed: int):
-        # the evaluation's real users draw from a stream apart from the oracle arm's training
-        # users (RealUsers(seed)); `seed` differs per evaluation (see _eval_record)
-        p = {"real_users": (RealUsers(seed=10_000 + seed), "real")}
-        for name, (_, kind, _) in self.sims.items():
-            if kind in ("seen", "unseen"):
-                p[name] = (self.frozen[name], kind)
-        return p
-
-    def policy(self):
-        # tiny models learn far faster when the LoRA also adapts the LM head
-        model = add_adapters(copy.deepcopy(self.base_model), ["policy"], r=self.cfg.lora_r,
-                             alpha=2 * self.cfg.lora_r, target_modules="all-linear+head")
-        return LMSpeaker(model, self.models.policy_tokenizer, "agent", adapter="policy",
-                         temperature=self.cfg.temperature, max_new_tokens=self.cfg.policy_max_new_tokens,
-                         name="policy")
-
-    def anchor_batches(self, seed: int, batch: int = 32):
-        """Real-user transcripts (persuadee side) for the realism anchor, as SFT batches
-        (freshly sampled: a stream of their own, apart from the simulators' SFT data)."""
-        rng = np.random.default_rng(seed + 777)
-        convs = self.env.sft_conversations(World().sample_transcripts(2000, rng), role="partner")
-        encoded = [encode_chat(self.tokenizer, c) for c in convs]
-        return AnchorBatches(encoded, batch, self.tokenizer.pad_token_id, random.Random(seed))
-
-    def method(self, name: str, seed: int) -> Method:
-        """Build an arm. Variants after a colon tweak the simulator objective, e.g.
-        "cotrain:adversarial", "population:anchor", "cotrain:adversarial+batch" (batch baseline)."""
-        c = self.cfg
-        name, _, variant = name.partition(":")
-        tweaks = set(filter(None, variant.split("+")))
-        sim_reward = next((t for t in tweaks if t in ("adversarial", "cooperative", "curriculum")), c.sim_reward)
-        sim_baseline = next((t for t in tweaks if t in ("group", "batch")), c.sim_baseline)
-        gamma = next((float(t[1:]) for t in tweaks if re.fullmatch(r"g\d+(\.\d+)?", t)), c.models.aligned_gamma)
-        pcfg = UpdateConfig(lr=c.policy_lr, eps_low=c.eps_low, eps_high=c.eps_high, beta=c.beta,
-                            epochs=c.epochs, temperature=c.temperature, weight_decay=0.0)
-        scfg = UpdateConfig(lr=c.sim_lr, eps_low=c.eps_low, eps_high=c.eps_high, epochs=c.sim_epochs,
-                            temperature=c.temperature if c.sim_start == "aligned" else 1.0 / c.gamma,
-                            weight_decay=c.sim_weight_decay, beta=c.sim_beta)
-        seen = [n for n, (_, kind, _) in self.sims.items() if kind == "seen"]
-        frozen = [self.frozen[seen[0]]] if name != "ensemble" else [self.frozen[n] for n in seen]
-        if name == "vs":
-            frozen = [self.vs_simulator]
-        sim_model, sim_temperature = None, None
-        if name in ("cotrain", "population"):
-            if c.sim_start == "aligned":    # the aligned model, sampled at the rollout temperature
-                start, sim_temperature = self.models.aligned(gamma)[0], c.temperature
-            elif c.sim_start == "sharpened":
-                start = self.sims[seen[0]][0]   # sim-a, sampled at 1/gamma like the frozen arms
-            else:
-                raise ValueError(f"sim_start {c.sim_start!r}: use 'aligned' or 'sharpened'")
-            sim_model = add_adapters(copy.deepcopy(start), ["simulator"], r=c.lora_r,
-                                     alpha=2 * c.lora_r, target_modules="all-linear+head")
-        m = build_method(
-            "single" if name == "base" else name, self.policy(), frozen, pcfg, scfg,
-            sim_model=sim_model, sim_tokenizer=self.tokenizer, sim_reward=sim_reward,
-            vs_k=c.vs_k, pool_size=c.pool_size, pool_every=c.pool_every,
-            oracle=RealUsers(seed=seed), seed=seed, sim_baseline=sim_baseline, sim_temperature=sim_temperature)
-        if "anchor" in tweaks and m.trains_simulator:
-            m.anchor = self.anchor_batches(seed)
-        return m
-
+from .toy_models import ToyModels, aligned_fidelity, fidelity, fidelity_problems
+# the set-up, part of this module's API: settings, models, environment, panel, arms
+from .toy_setup import (TOY_METHODS, TOY_VARIANTS, AnchorBatches, Toy, ToyConfig,  # noqa: F401
+                        is_toy_variant, load_config, reference_values)
 
 # --------------------------------------------------------------------------- state
 def arm_state(m: Method, step: int, extra: dict) -> dict:
@@ -371,7 +164,7 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
         metrics.update(kind="train", method=method, seed=seed, seconds=time.time() - t0,
                        invalid_acts=float(np.mean([e.info.get("n_invalid", 0) for e in episodes])))
         emit(metrics)
-        if m.trains_simulator and step % c.pool_every == 0:
+        if m.trains_simulator and step % (c.pool_measure_every or c.pool_every) == 0:
             with isolated_rng(eval_seed(seed, step) + 2, m.partner):
                 write({"kind": "pool", "method": method, "seed": seed, "step": step,
                        **measure_pool(toy, m, step, profiles)})
@@ -399,76 +192,18 @@ def measure_pool(toy: Toy, m: Method, step: int, profiles: dict) -> dict:
     return pool_diversity({n: profiles[n] for n in members}, toy.sim_a_profile(), toy.world, c.gamma)
 
 
-class MetricsLog:
-    """One arm's append-only JSONL. `trim(k)` drops what comes after the saved step k."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def trim(self, from_step: int):
-        # the state of step k is saved after its train record: everything later is redone
-        truncate_log(self.path, from_step)
-
-    def __call__(self, record: dict):
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
 _WORKER_TOY = {}
-
-
-def _worker_init():
-    """A worker of the arms' pool: as `worker_init`, and deaf to Ctrl-C. The terminal sends
-    SIGINT to every process of the group; the parent alone decides, and stops the workers
-    (each arm's state is saved after every step, atomically, so a killed worker loses at
-    most the step in progress)."""
-    import signal
-
-    worker_init()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _arm_worker(job):
     """Run one arm in a worker process. The Toy set-up (the frozen tiny models) is loaded
     once per process and shared by its arms: every arm copies what it trains."""
     cfg, cache_dir, run_dir, method, seed, stop_after = job
-    torch.set_num_threads(1)
     key = (json.dumps(asdict(cfg), sort_keys=True, default=list), cache_dir)   # each job pickles a new cfg
     if key not in _WORKER_TOY:
         _WORKER_TOY.clear()
         _WORKER_TOY[key] = Toy(cfg, cache_dir, log=lambda *a: None, progress=False)
     return _run_logged(_WORKER_TOY[key], method, seed, Path(run_dir), stop_after, progress=False)
-
-
-def run_pool(fn, jobs: list, workers: int, on_result, initializer=_worker_init) -> None:
-    """fn(job) for every job in `workers` spawned processes; on_result(result) as each
-    finishes. Ctrl-C (or a failed job) stops every worker at once, queued jobs included,
-    and is raised here; the workers themselves ignore Ctrl-C (see `_worker_init`)."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=initializer) as pool:
-        futures = [pool.submit(fn, job) for job in jobs]
-        try:
-            for fut in as_completed(futures):
-                on_result(fut.result())
-        except BaseException:
-            _stop_workers(pool)
-            raise
-
-
-def _stop_workers(pool) -> None:
-    """Cancel the queued arms and end the running ones now (after Ctrl-C or a failed arm).
-    Each arm saved its state after its last finished step, atomically: ending a worker
-    mid-step loses that step only. (Python 3.14 has pool.terminate_workers(); before it,
-    the pool's processes are reached directly.)"""
-    if hasattr(pool, "terminate_workers"):
-        pool.terminate_workers()
-        return
-    running = list((getattr(pool, "_processes", None) or {}).values())   # shutdown forgets them
-    pool.shutdown(wait=False, cancel_futures=True)
-    for proc in running:
-        proc.terminate()
 
 
 def _run_logged(toy, method, seed, run_dir: Path, stop_after=None, progress=True):
@@ -482,29 +217,45 @@ def _run_logged(toy, method, seed, run_dir: Path, stop_after=None, progress=True
     return method, seed, last["real_users"]
 
 
-def check_saved_arms(run_dir: Path, cfg: ToyConfig) -> None:
-    """Before a resumed run starts any worker: every arm's saved state must load and every
-    log must read (a half-written last line, left by a kill, is dropped with a note by the
-    arm itself); otherwise one message naming the damaged file (files.RunFileError)."""
-    for method, seed in cfg.arms():
-        arm = run_dir / "arms" / arm_name(method, seed)
-        for path in (arm.with_suffix(".pt"), arm.parent / f"{arm.name}.best.pt"):
-            if path.exists():
-                load_state(path)
-        log = arm.parent / f"{arm.name}.jsonl"
-        if log.exists():
-            read_jsonl(log, warn=lambda msg: None)   # the note comes when the arm trims it
+# CPU-seconds of one default arm of each kind: bench/profile_toy.py's projection (ensemble as
+# single) x 1.37, the ratio of a whole run's measured CPU time to the projection. They order
+# the jobs, make the first estimate, and turn finished arms into the ETA (by their ratios)
+ARM_SECONDS = {"base": 7, "single": 75, "ensemble": 75, "oracle": 62, "vs": 159, "cotrain": 208, "population": 190}
+
+
+def arm_cost(method: str) -> float:
+    return ARM_SECONDS.get(method.partition(":")[0], 60)
+
+
+class ETA:
+    """The progress line after each finished arm: arms done / total, time left. The time
+    left is the unfinished arms' share of the work (`arm_cost`) at the pace of the finished
+    ones; before the first arm ends, the a-priori figure of `ARM_SECONDS` on `workers` cores."""
+
+    def __init__(self, jobs, workers: int):
+        self.left = [m for m, _ in jobs]
+        self.total, self.workers, self.start, self.cost_done = len(jobs), workers, time.time(), 0.0
+
+    def first(self) -> str:
+        busy = sum(map(arm_cost, self.left)) / self.workers
+        return f"about {_minutes(max(busy, max(map(arm_cost, self.left), default=0)))} on free cores"
+
+    def done(self, method: str) -> str:
+        self.left.remove(method)
+        self.cost_done += arm_cost(method)
+        elapsed = time.time() - self.start
+        left = elapsed * sum(map(arm_cost, self.left)) / self.cost_done
+        tail = f", about {_minutes(left)} left" if self.left else ""
+        return f"[{self.total - len(self.left)}/{self.total} arms, {_minutes(elapsed)} elapsed{tail}]"
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s" if seconds >= 60 else f"{int(seconds)} s"
 
 
 def merge_metrics(run_dir: Path, cfg: ToyConfig) -> Path:
     """Concatenate the arms' logs into metrics.jsonl (in `cfg.arms()` order)."""
-    out = run_dir / "metrics.jsonl"
-    with out.open("w") as f:
-        for method, seed in cfg.arms():
-            p = run_dir / "arms" / f"{arm_name(method, seed)}.jsonl"
-            if p.exists():
-                f.write(p.read_text())
-    return out
+    return runfolder.merge_metrics(run_dir, cfg.arms())
 
 
 def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bool = False,
@@ -526,7 +277,7 @@ def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bo
 
 def _run(cfg: ToyConfig, run_dir: Path, cache_dir, resume: bool, log, progress, stop_after) -> Path:
     if resume:
-        check_saved_arms(run_dir, cfg)
+        check_saved_arms(run_dir, cfg.arms())
     write_text_atomic(run_dir / "config.json", json.dumps(asdict(cfg), indent=2, default=list))
     models = ToyModels(cache_dir, cfg.models, progress=progress, log=log)
     models.build()
@@ -553,23 +304,23 @@ def _run(cfg: ToyConfig, run_dir: Path, cache_dir, resume: bool, log, progress, 
             log(f"warning: the fidelity check fails: {problem}; the arms below will run, but their "
                 "numbers say little about simulator collapse (expected with --quick's small models)")
     # the slowest arms first, so that the workers finish at about the same time
-    cost = {"vs": 0, "population": 1, "cotrain": 2}
-    jobs = sorted(cfg.arms(), key=lambda arm: cost.get(arm[0].partition(":")[0], 3))
-    if cfg.workers <= 1:
+    jobs = sorted(cfg.arms(), key=lambda arm: -arm_cost(arm[0]))
+    workers = cfg.workers or default_workers(len(jobs))
+    eta = ETA(jobs, workers)
+    if workers <= 1:
         toy = Toy(cfg, cache_dir, log=log, progress=progress)
         for method, seed in jobs:
             _, _, score = _run_logged(toy, method, seed, run_dir, stop_after, progress)
-            log(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}")
+            log(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}   {eta.done(method)}")
     else:
-        log(f"training {len(jobs)} arms in {cfg.workers} processes ...")
-        bar = tqdm(total=len(jobs), desc="arms", disable=not progress)
+        threads = threads_per_worker(workers)
+        log(f"training {len(jobs)} arms in {workers} processes ({threads} CPU thread{'s' * (threads > 1)} each; "
+            f"{eta.first()}) ...")
 
         def done(result):
             method, seed, score = result
-            bar.update()
-            bar.write(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}")
+            log(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}   {eta.done(method)}")
         run_pool(_arm_worker, [(cfg, str(cache_dir), str(run_dir), m, s, stop_after) for m, s in jobs],
-                 cfg.workers, done)
-        bar.close()
+                 workers, done, initargs=(threads,))
     merge_metrics(run_dir, cfg)
     return run_dir

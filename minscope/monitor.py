@@ -218,11 +218,11 @@ def main(argv=None):
         if args.write:
             write_text_atomic(log, "".join(json.dumps(r) + "\n" for r in records))
     if args.write:
-        from .experiment import load_config, merge_metrics
+        from .runfolder import merge_metrics
 
         config["monitor"] = asdict(cfg)
         write_text_atomic(args.run_dir / "config.json", json.dumps(config, indent=2))
-        merge_metrics(args.run_dir, load_config(args.run_dir / "config.json"))
+        merge_metrics(args.run_dir)
         print(f"rewritten; the report: python eval.py {args.run_dir} --report-only")
 
 

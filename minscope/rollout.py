@@ -22,6 +22,7 @@ one party's stream with mask 1.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -30,10 +31,13 @@ import torch
 from .chat import chat_format, strip_reasoning
 from .envs.base import Episode, Turn, turn_noise
 from .kvcache import KVCache, party_cache, session
+from .lean import lean_forward
 from .models import model_device, use_adapter
 
 
 # --------------------------------------------------------------------------- sampling
+LEAN = True      # tiny Llama models decode through minscope/lean.py (bit-identical, less overhead)
+
 def _cache_kwarg(model) -> str:
     """transformers renamed `past_key_values` to `cache` in 5.2x; support both."""
     import inspect
@@ -150,6 +154,7 @@ class _Forward:
                              "(load the model with attn_implementation='sdpa')")
         self.additive = impl == "eager"
         self.dtype = model.get_input_embeddings().weight.dtype
+        self.lean = lean_forward(model) if LEAN else None    # the toy's tiny models only (minscope/lean.py)
 
     def keep_rows(self, keep: list[int], leave: list[int]):
         """Rows `keep` (positions in the decode batch) stay in front; rows `leave` move back."""
@@ -164,6 +169,10 @@ class _Forward:
         c.reserve(s, input_ids.device)
         c.mask[:c.front, c.width:c.width + s] = real
         mask = c.attention_mask(s, self.dtype, self.additive)
+        if self.lean is not None:     # the same operations without the general forward's overhead
+            logits = self.lean(input_ids, mask, position, c, self.names)
+            c.advance(s)
+            return logits
         extra = {"adapter_names": self.names} if self.names is not None else {}
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position,
                          use_cache=True, logits_to_keep=1, **{self.cache_kw: c}, **extra)
@@ -214,16 +223,16 @@ class Stream:
         n = len(self.messages)
         new = messages[n:]
         if not self.ids:                                 # the first turn: the whole prompt
-            delta = chat.render(messages, tools)
+            delta = template_text(chat, messages, tools)
         elif (messages[:n] == self.messages and chat.incremental
               and all(m["role"] != "assistant" for m in new)):
-            delta = chat.delta(new, tools, self.sampled_end)
+            delta = template_text(chat, new, tools, self.sampled_end)
         else:
             # The history was rewritten, or the template cannot be rendered turn by turn:
             # restart from the full prompt (not used for training: `exact` is False).
             self.ids, self.mask, self.logp, self.text, self.exact = [], [], [], "", False
-            delta = chat.render(messages, tools)
-        ids = chat.tokenizer(delta, add_special_tokens=False)["input_ids"] if delta else []
+            delta = template_text(chat, messages, tools)
+        ids = text_ids(chat, delta) if delta else []
         self.ids += ids
         self.mask += [0] * len(ids)
         self.logp += [0.0] * len(ids)
@@ -243,6 +252,54 @@ class Stream:
         if shown is not None:
             self.messages.append({"role": "assistant", "content": shown})
         self.sampled_end = end
+
+
+# ------------------------------------------------------------- memoised text <-> ids
+# Rendering a chat template (jinja) and calling a tokenizer cost about a millisecond each, per
+# episode and turn; the toy's conversations repeat the same few texts, so most of them are
+# the same call again. These are pure functions of their inputs, memoised per chat format
+# (bounded; short inputs only; not for templates that read the clock), so the text and ids
+# are exactly what the direct calls give.
+MEMO_ENTRIES, MEMO_KEY_CHARS = 4096, 4000
+
+
+def _memo(chat, kind: str, key, compute):
+    memo = chat.__dict__.setdefault("_rollout_memo", {})
+    key = (kind, len(chat.tokenizer), key)      # (a tokenizer that gained tokens starts afresh)
+    if key in memo:
+        return memo[key]
+    value = compute()
+    if len(memo) >= MEMO_ENTRIES:
+        memo.clear()
+    memo[key] = value
+    return value
+
+
+def template_text(chat, messages: list[dict], tools=None, sampled_end: str | None = None) -> str:
+    """chat.render(messages, tools), or chat.delta(messages, tools, sampled_end) when given."""
+    def compute():
+        return chat.render(messages, tools) if sampled_end is None else chat.delta(messages, tools, sampled_end)
+    if "strftime" in (getattr(chat.tokenizer, "chat_template", None) or ""):
+        return compute()
+    try:
+        key = json.dumps([messages, tools, sampled_end])      # keeps the order of keys: it is rendered
+    except (TypeError, ValueError):
+        return compute()
+    return compute() if len(key) > MEMO_KEY_CHARS else _memo(chat, "text", key, compute)
+
+
+def text_ids(chat, text: str) -> list[int]:
+    """chat.tokenizer(text, add_special_tokens=False)["input_ids"] (a fresh list)."""
+    def compute():
+        return chat.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(text) > MEMO_KEY_CHARS:
+        return compute()
+    return list(_memo(chat, "ids", text, compute))
+
+
+def ids_text(chat, ids: list[int]) -> str:
+    """chat.tokenizer.decode(ids, skip_special_tokens=False)."""
+    return _memo(chat, "decode", tuple(ids), lambda: chat.tokenizer.decode(ids, skip_special_tokens=False))
 
 
 def eos_token_ids(tokenizer, model=None) -> set[int]:
@@ -329,8 +386,8 @@ class LMSpeaker:
             ended = bool(gen) and gen[-1] in self.eos
             # The turn's text is decoded exactly as the template will show it later, so the
             # next prompt extends this stream instead of re-tokenizing it.
-            text = self.tokenizer.decode(gen[:-1] if ended else gen, skip_special_tokens=False)
-            end = self.tokenizer.decode(gen[-1:]) if ended else ""
+            text = ids_text(self.chat, gen[:-1] if ended else gen)
+            end = ids_text(self.chat, gen[-1:]) if ended else ""
             shown = strip_reasoning(text)      # the other party never sees the reasoning
             stream.extend_sampled(gen, lp, text + end, shown=shown, end=end)
             texts.append(shown)

@@ -22,7 +22,13 @@ total variation between a simulator and its world at the histories that decide t
 exploit, and the exploit's value inside the sharpened simulator against the exact one.
 
 Everything is cached under `cache_dir/<hash of the settings>/` in Hugging Face format, so
-the second run starts training at once.
+the second run starts training at once. The default settings' models also ship with the
+code (`SHIPPED`, about 6 MB: nine 64-wide models and two tokenizers), so that a first run
+after a clone starts training at once too: they are copied into the cache when their
+settings' hash matches (any change to the settings or to the toy's texts changes the hash,
+and the models are trained as before). `python -m minscope.toy_models --rebuild` trains them
+anew from the default settings, checks them with the same fidelity gate a run applies, and
+replaces the shipped files only if they pass; `--check` applies the gate to the shipped ones.
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,12 +43,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .envs.base import Episode, Turn
-from .envs.toy import ACT_KEYS, ACTS, BLAND, REPLIES, ToyEnv, World, canonical_reply, sharpened, total_variation
+from .envs.toy import ACT_KEYS, ACTS, BLAND, REPLIES, ToyEnv, World, canonical_reply, sharpened
 from .models import build_tiny_model, build_tokenizer
 from .sft import sft
-from .simulators import Verbalized
-from .verbalized import Candidate, draw, format_candidates, parse_candidates, vs_instruction
+from .toy_fidelity import (MAX_VS_TV, MIN_EXPLOIT_SHARE, aligned_fidelity, fidelity,  # noqa: F401 (its API)
+                           fidelity_gate, fidelity_problems, sampling_tv_floor)
+from .verbalized import Candidate, format_candidates, vs_instruction
 
 # name -> (panel kind, World overrides). Members differ in their *modes*, not just seeds:
 # an ensemble of copies of one model shares its mode and its exploit.
@@ -82,7 +87,7 @@ class ToyModelConfig:
     batch: int = 32
     lr: float = 3e-3
     seed: int = 0
-    workers: int = 2            # processes that train models in parallel (1 thread each)
+    workers: int = 0            # processes that train models in parallel (1 thread each; 0: one per core)
     attention: str = "sdpa"     # attention implementation ("eager" rounds differently: a new cache)
     world: int = 3              # version of the toy world's dynamics: bump it when they change
 
@@ -176,13 +181,40 @@ def base_persuader(c: ToyModelConfig, world: World, rng):
     return persuader
 
 
+# the default settings' models, shipped with the code (see the module docstring)
+SHIPPED = Path(__file__).parent / "toy_weights"
+
+
+def seed_cache(folder: Path, shipped: Path = SHIPPED) -> list[str]:
+    """Copy into the cache folder `folder` (cache_dir/toy-<key>) every entry that ships for the
+    same key and is not cached yet; returns their names. Each entry is copied to a temporary
+    name, then renamed into place, so an interrupted copy never looks cached."""
+    source = shipped / folder.name
+    copied = []
+    if source.is_dir():
+        for entry in sorted(source.iterdir()):
+            if entry.is_dir() and not (folder / entry.name).exists():
+                tmp = folder / f".{entry.name}.tmp-{os.getpid()}"
+                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.copytree(entry, tmp)
+                try:
+                    os.replace(tmp, folder / entry.name)
+                    copied.append(entry.name)
+                except OSError:      # another process put it there first
+                    shutil.rmtree(tmp, ignore_errors=True)
+    return copied
+
+
 class ToyModels:
     """Loads the tokenizer, policy base and simulators from the cache, training what is missing."""
 
-    def __init__(self, cache_dir, cfg: ToyModelConfig | None = None, progress: bool = True, log=print):
+    def __init__(self, cache_dir, cfg: ToyModelConfig | None = None, progress: bool = True, log=print,
+                 shipped: Path | None = SHIPPED):
         self.cfg = cfg or ToyModelConfig()
         self.dir = Path(cache_dir) / f"toy-{self.cfg.key()}"
         self.dir.mkdir(parents=True, exist_ok=True)
+        if shipped is not None:
+            seed_cache(self.dir, shipped)
         self.progress, self.log = progress, log
         self.env = ToyEnv()
         self.tokenizer = self._tokenizer("tokenizer")                  # the simulators'
@@ -275,14 +307,17 @@ class ToyModels:
         if not missing:
             return
         self.log(f"training {len(missing)} tiny models (cached in {self.dir}; later runs skip this) ...")
-        if self.cfg.workers <= 1 or len(missing) == 1:
+        from .armpool import default_workers
+
+        workers = self.cfg.workers or default_workers(len(missing))
+        if workers <= 1:
             for name in missing:
                 self.log(self.train(name))
             return
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(self.cfg.workers, mp_context=mp.get_context("spawn"),
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
                                  initializer=worker_init) as pool:
             for line in pool.map(_train_one, [(str(self.dir.parent), self.cfg, n) for n in missing]):
                 self.log(line)
@@ -337,105 +372,70 @@ def _train_one(args):
     return ToyModels(cache_dir, cfg, progress=False, log=lambda *a: None).train(name)
 
 
-def fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: int = 0,
-             vs_simulator=None) -> dict:
-    """How faithfully a simulator (a speaker) reproduces its world, where it matters.
+# --------------------------------------------------------------------------- shipped models
+def rebuild(cfg: ToyModelConfig | None = None, shipped: Path = SHIPPED, log=print) -> list[str]:
+    """Train every model of `cfg` (default: the default settings) from scratch in a fresh
+    folder, apply the fidelity gate, and only if it passes make them the shipped models
+    (`shipped/toy-<key>`, replacing any other key's). Returns the gate's problems (empty:
+    shipped)."""
+    import tempfile
 
-    exploit_lm / exploit_exact: the value of the exploit (`World.exploit`: the best fixed act
-    sequence inside the sharpened world) inside the gamma-sharpened simulator, sampled vs
-    exact (lesson: sharpening magnifies simulator errors, so check this before RL).
-    tv: mean total variation between the simulator's reply distribution (sampled at
-    temperature 1) and the world's, at the histories the exploit and the probe pass through.
-    tv_floor: what a perfect simulator scores there with as many samples (sampling noise).
-    It is not small: the tv above is the simulator's error plus about this much.
-    vs_tv (with `vs_simulator`): the same, for the distribution its VS answers state.
-    """
-    from .diversity import at_temperature, exact_replies, exploit_histories, exploit_value, mean_tv, sampled_replies
-
-    env, seq = ToyEnv(world), world.exploit(gamma)
-    torch.manual_seed(seed)
-    exploit_lm = exploit_value(at_temperature(simulator, 1.0 / gamma), world, gamma, episodes)
-    exploit_exact = world.exact_value(lambda h: seq[len(h) // 2], reply_dist=sharpened(world.reply_dist, gamma))
-    histories = exploit_histories(world, gamma)
-    tables = sampled_replies(at_temperature(simulator, 1.0), world, histories, episodes)
-    tv = mean_tv(tables, exact_replies(world.reply_dist, world, histories))
-    floor = sampling_tv_floor([world.reply_dist(task.persona, h) for h in histories for task in env.tasks()],
-                              episodes)
-    out = {"exploit": list(seq), "exploit_lm": exploit_lm, "exploit_exact": exploit_exact, "tv": tv,
-           "tv_floor": floor}
-    if vs_simulator is not None:
-        # the verbalized distribution itself (what the VS draw uses) vs the real users'
-        vs = Verbalized(vs_simulator, k=5, seed=seed)
-        vs.speaker.temperature = 1.0 / gamma
-        vtv, fails = [], 0
-        for history in histories:
-            for task in env.tasks():
-                ep = Episode(task=task, group=0, turns=[Turn("agent" if i % 2 == 0 else "partner", u)
-                                                        for i, u in enumerate(history)])
-                texts, _, _ = vs.speaker.generate([ep], env)
-                cands = parse_candidates(texts[0])
-                if not cands:
-                    fails += 1
-                    continue
-                _, dist = draw(cands, random.Random(0))
-                stated = {}
-                for c, p in zip(cands, dist):
-                    stated[c.text.strip()] = stated.get(c.text.strip(), 0.0) + p
-                vtv.append(total_variation(world.reply_dist(task.persona, history), stated))
-        out.update(vs_tv=float(np.mean(vtv)) if vtv else float("nan"), vs_parse_failures=fails)
-    return out
+    cfg = cfg or ToyModelConfig()
+    with tempfile.TemporaryDirectory() as tmp:
+        models = ToyModels(tmp, cfg, progress=False, log=log, shipped=None)
+        models.build()
+        fid, problems = fidelity_gate(models)
+        log(f"fidelity: exploit inside sim-a {fid['exploit_lm']:.3f} (exact {fid['exploit_exact']:.3f}), "
+            f"sim-a-vs TV {fid['vs_tv']:.3f}, aligned exploit {fid['aligned']['exploit_lm']:.3f} "
+            f"(exact {fid['aligned']['exploit_exact']:.3f})")
+        if problems:
+            for p in problems:
+                log(f"the fidelity gate fails: {p}; the shipped models are left as they were")
+            return problems
+        shipped.mkdir(parents=True, exist_ok=True)
+        target = shipped / models.dir.name
+        staging = shipped / f".{models.dir.name}.new"
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(models.dir, staging, ignore=shutil.ignore_patterns(".*"))
+        for old in shipped.iterdir():
+            if old.is_dir() and old.name.startswith("toy-"):
+                shutil.rmtree(old)
+        os.replace(staging, target)
+        log(f"shipped: {target} ({sum(f.stat().st_size for f in target.rglob('*') if f.is_file()) / 2**20:.1f} MB)")
+    return []
 
 
-def aligned_fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: int = 0) -> dict:
-    """The fidelity check of an aligned simulator *model* (`ToyModels.aligned`), whose own
-    distribution at temperature 1 should be the gamma-sharpened users': the exploit's value
-    inside it sampled at temperature 1 against the exact one, and the mean TV between its
-    replies and the sharpened users' at the exploit's histories (with the sampling floor)."""
-    from .diversity import at_temperature, exact_replies, exploit_histories, exploit_value, mean_tv, sampled_replies
+def main(argv=None):
+    """python -m minscope.toy_models --rebuild | --check"""
+    import argparse
+    import sys
 
-    sharp_world, seq = sharpened(world.reply_dist, gamma), world.exploit(gamma)
-    plain = at_temperature(simulator, 1.0)
-    torch.manual_seed(seed)
-    exploit_lm = exploit_value(plain, world, gamma, episodes)
-    histories = exploit_histories(world, gamma)
-    exact = exact_replies(sharp_world, world, histories)
-    return {"gamma": gamma, "exploit_lm": exploit_lm,
-            "exploit_exact": world.exact_value(lambda h: seq[len(h) // 2], reply_dist=sharp_world),
-            "tv": mean_tv(sampled_replies(plain, world, histories, episodes), exact),
-            "tv_floor": sampling_tv_floor(list(exact.values()), episodes)}
+    from .models import quiet
 
+    quiet()
+    p = argparse.ArgumentParser(prog="python -m minscope.toy_models",
+                                description="The toy's shipped tiny models (minscope/toy_weights).")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--rebuild", action="store_true", help="train them anew from the default settings "
+                   "(~15 CPU-minutes), and ship them if they pass the fidelity gate")
+    g.add_argument("--check", action="store_true", help="apply the fidelity gate to the shipped models")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.rebuild:
+        sys.exit(1 if rebuild() else 0)
+    import tempfile
 
-def sampling_tv_floor(dists: list[dict], n: int, reps: int = 400, seed: int = 0) -> float:
-    """Mean total variation between each distribution and the empirical distribution of
-    n samples from itself (Monte Carlo, on a generator of its own)."""
-    rng = np.random.default_rng(seed)
-    tvs = []
-    for d in dists:
-        p = np.array(list(d.values()), dtype=float)
-        p /= p.sum()
-        freq = rng.multinomial(n, p, size=reps) / n                      # [reps, len(p)]
-        tvs.append(0.5 * np.abs(freq - p).sum(axis=1).mean())
-    return float(np.mean(tvs))
-
-
-# Below these, the tiny simulators are too far from their world for the toy to mean anything
-# (builds that missed them: exploit worth 0.50 and 0.64 inside sim-a instead of 0.94 and 0.99;
-# VS-stated TV 0.13 and 0.09, after which VS policies blew up into invalid text).
-MIN_EXPLOIT_SHARE = 0.8      # exploit_lm / exploit_exact
-MAX_VS_TV = 0.05
+    key = f"toy-{ToyModelConfig().key()}"
+    if not (SHIPPED / key).is_dir():
+        sys.exit(f"no shipped models for the default settings ({SHIPPED / key}): run --rebuild")
+    with tempfile.TemporaryDirectory() as tmp:
+        models = ToyModels(tmp, progress=False)
+        fid, problems = fidelity_gate(models)
+    print(json.dumps(fid, indent=1))
+    for problem in problems:
+        print(f"the fidelity gate fails: {problem}")
+    sys.exit(1 if problems else 0)
 
 
-def fidelity_problems(fid: dict) -> list[str]:
-    """What fails the fidelity check (an empty list: it passes)."""
-    problems = []
-    if fid["exploit_lm"] < MIN_EXPLOIT_SHARE * fid["exploit_exact"]:
-        problems.append(f"the exploit is worth {fid['exploit_lm']:.3f} inside sim-a, below "
-                        f"{MIN_EXPLOIT_SHARE:g} x its exact {fid['exploit_exact']:.3f}")
-    a = fid.get("aligned")
-    if a and a["exploit_lm"] < MIN_EXPLOIT_SHARE * a["exploit_exact"]:
-        problems.append(f"the exploit is worth {a['exploit_lm']:.3f} inside the aligned simulator model, below "
-                        f"{MIN_EXPLOIT_SHARE:g} x its exact {a['exploit_exact']:.3f}")
-    if "vs_tv" in fid and not fid["vs_tv"] <= MAX_VS_TV:      # nan (nothing parsed) fails too
-        problems.append(f"sim-a-vs states a distribution at TV {fid['vs_tv']:.3f} from the real users' "
-                        f"(at most {MAX_VS_TV:g})")
-    return problems
+if __name__ == "__main__":
+    main()

@@ -57,6 +57,11 @@ def test_evaluation_does_not_change_training(tmp_path, cache):
     b = experiment.run(often, tmp_path / "b", cache, log=lambda *a: None, progress=False)
     assert len(train(a)) == 8 and train(a) == train(b)
     assert len([r for r in records(b) if "meter" in r]) > len([r for r in records(a) if "meter" in r])
+    # pool diversity measured every other step: training and evaluations as they were
+    rare = experiment.run(dataclasses.replace(cfg, pool_measure_every=2), tmp_path / "c", cache,
+                          log=lambda *a: None, progress=False)
+    assert [r for r in records(rare) if r["kind"] != "pool"] == [r for r in records(a) if r["kind"] != "pool"]
+    assert [r["step"] for r in records(rare) if r["kind"] == "pool"] == [0, 2]
 
 
 def test_final_checkpoint_reevaluates_to_the_logged_number(tmp_path, cache):
@@ -202,3 +207,85 @@ def test_toy_resume_keeps_the_runs_settings(tmp_path):
         train_cli.main(["--resume", str(run_dir), "--steps", str(cfg.steps + 10)])
     with pytest.raises(SystemExit, match="no config.json"):
         train_cli.main(["--resume", str(tmp_path / "elsewhere")])
+
+
+def test_progress_line_counts_arms_and_estimates_the_time_left(monkeypatch):
+    clock = iter([1000.0, 1060.0, 1090.0])
+    monkeypatch.setattr(experiment.time, "time", lambda: next(clock))
+    jobs = [("vs", 0), ("single", 0), ("single", 1)]
+    eta = experiment.ETA(jobs, workers=1)
+    assert eta.first().startswith("about ")
+    # vs costs ARM_SECONDS["vs"]; after it, the two single arms' share of that pace is left
+    expected = 60 * 2 * experiment.arm_cost("single") / experiment.arm_cost("vs")
+    assert eta.done("vs") == f"[1/3 arms, 1 min 00 s elapsed, about {experiment._minutes(expected)} left]"
+    assert eta.done("single").startswith("[2/3 arms, 1 min 30 s elapsed, about ")
+    assert experiment._minutes(59) == "59 s" and experiment._minutes(125) == "2 min 05 s"
+
+
+def test_workers_default_to_the_available_cores_capped_by_the_arms(monkeypatch):
+    from minscope import armpool
+
+    monkeypatch.setattr(armpool.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7}, raising=False)
+    assert armpool.cores_available() == 8
+    assert armpool.default_workers(16) == 8 and armpool.default_workers(3) == 3 and armpool.default_workers(0) == 1
+    monkeypatch.setattr(armpool.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert armpool.threads_per_worker(8) == 1 and armpool.threads_per_worker(2) == 4
+    monkeypatch.setattr(armpool.os, "getloadavg", lambda: (6.0, 0.0, 0.0))     # 2 cores free
+    assert armpool.threads_per_worker(2) == 1 and armpool.threads_per_worker(1) == 2
+    assert experiment.ToyConfig().workers == 0      # 0 = the default above, decided when the run starts
+
+
+def test_shipped_models_are_the_default_settings_and_pass_the_fidelity_gate(tmp_path):
+    # what a first run after a clone uses instead of training the models (toy_models.SHIPPED);
+    # a change of the settings or of the toy's texts changes the key: rebuild them then
+    from minscope import toy_models
+
+    cfg = toy_models.ToyModelConfig()
+    assert (toy_models.SHIPPED / f"toy-{cfg.key()}").is_dir(), "run: python -m minscope.toy_models --rebuild"
+    models = toy_models.ToyModels(tmp_path, cfg, progress=False, log=lambda *a: None)
+    missing = [n for n in models.names() if models._load(n) is None]
+    assert missing == []                          # everything came from the shipped files
+    fid, problems = toy_models.fidelity_gate(models)
+    assert problems == [], problems
+
+
+def test_rebuild_ships_only_models_that_pass_the_fidelity_gate(tmp_path, monkeypatch):
+    from minscope import toy_models
+
+    shipped = tmp_path / "shipped"
+    # ten SFT steps do not make faithful simulators: nothing is shipped
+    assert toy_models.rebuild(TINY_MODELS, shipped=shipped, log=lambda *a: None)
+    assert not shipped.exists() or not any(shipped.iterdir())
+    real_gate = toy_models.fidelity_gate
+    monkeypatch.setattr(toy_models, "fidelity_gate", lambda models: (real_gate(models)[0], []))
+    assert toy_models.rebuild(TINY_MODELS, shipped=shipped, log=lambda *a: None) == []
+    assert [p.name for p in shipped.iterdir()] == [f"toy-{TINY_MODELS.key()}"]
+    # a fresh cache is seeded from the shipped files: nothing is trained
+    monkeypatch.setattr(toy_models.ToyModels, "train", lambda self, name: pytest.fail(f"trained {name}"))
+    models = toy_models.ToyModels(tmp_path / "cache", TINY_MODELS, progress=False, log=lambda *a: None,
+                                  shipped=shipped)
+    models.build()
+    assert models.policy_base() is not None
+
+
+def test_monitor_rewrites_a_run_folder_without_the_experiment(tmp_path):
+    import subprocess
+    import sys
+
+    from minscope import monitor
+
+    # the monitor reads run folders through minscope.runfolder: no experiment <-> monitor circle
+    code = "import sys, minscope.monitor, minscope.report; sys.exit('minscope.experiment' in sys.modules)"
+    from pathlib import Path
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1]).returncode == 0
+    run_dir = tmp_path / "toy"
+    (run_dir / "arms").mkdir(parents=True)
+    cfg = tiny_config("toy", methods=("single", "vs"))
+    (run_dir / "config.json").write_text(json.dumps(experiment.asdict(cfg), default=list))
+    for method in ("vs", "single"):
+        rec = {"kind": "train", "method": method, "seed": 0, "step": 0, "policy_entropy": 1.0, "zero_var_frac": 0.9}
+        (run_dir / "arms" / f"{method}-s0.jsonl").write_text(json.dumps(rec) + "\n")
+    monitor.main([str(run_dir), "--set", "zero_var=0.5", "--write"])
+    merged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in merged if r["kind"] == "train"] == ["single", "vs"]     # the config's order
+    assert json.loads((run_dir / "config.json").read_text())["monitor"]["zero_var"] == 0.5

@@ -1,0 +1,149 @@
+"""A lean forward pass for the toy's tiny Llama models, used by `rollout.sample`.
+
+The toy's models are 64 wide and 2 layers deep: one decode step of 64 conversations is
+about a millisecond of arithmetic, and the general forward of transformers + peft spends
+several times that in Python (argument handling, hooks, output objects, per-layer checks).
+This module runs the SAME operations on the same weights in the same order, without that
+machinery: the embedding, rotary embedding, RMSNorm, attention through the kept KV cache
+(`kvcache.KVCache.update`) with sdpa, the MLP, the LM head of the last position, and
+peft's vanilla LoRA (one active adapter, or one adapter per row as peft's mixed batches do).
+So its logits are bit-identical to the general path's (tests/test_rollout.py checks it).
+
+`lean_forward(model)` returns None for anything else (other architectures, eager attention,
+merged or non-vanilla LoRA, LoRA dropout, forward hooks on any module, a real model on a
+GPU...): those keep the general path. Real models never take this one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MAX_HIDDEN = 256          # only tiny models: above this the general path costs nothing extra
+
+
+def lean_forward(model):
+    """A function (input_ids, mask, position_ids, cache, adapter_names) -> last logits [B, V]
+    equivalent to `model(...)` as `rollout._Forward` calls it, or None if `model` is not a
+    tiny Llama (with or without vanilla LoRA adapters) on the CPU."""
+    try:
+        from peft import PeftModel
+        from peft.tuners.lora import Linear as LoraLinear
+        from transformers import LlamaForCausalLM
+    except ImportError:
+        return None
+    peft_model = model if isinstance(model, PeftModel) else None
+    base = model.get_base_model() if peft_model is not None else model
+    if not isinstance(base, LlamaForCausalLM):
+        return None
+    cfg = base.config
+    if (cfg.hidden_size > MAX_HIDDEN or getattr(cfg, "_attn_implementation", None) != "sdpa"
+            or cfg.rope_parameters.get("rope_type", "default") != "default" or cfg.hidden_act != "silu"
+            or getattr(cfg, "pretraining_tp", 1) != 1 or cfg.attention_bias or cfg.mlp_bias
+            or next(base.parameters()).device.type != "cpu"):
+        return None
+    if type(base.model.embed_tokens) is not torch.nn.Embedding:
+        return None
+    hooks = torch.nn.modules.module
+    if (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+            or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())):
+        return None       # someone watches or changes a module's output: the general path calls them
+    linears = [m for m in base.modules() if isinstance(m, LoraLinear)]
+    for m in linears:
+        if m.merged or m.lora_variant or any(not isinstance(d, torch.nn.Identity) for d in m.lora_dropout.values()):
+            return None
+    return _LeanLlama(base)
+
+
+def _linear(mod, x, groups):
+    """nn.Linear, or peft's lora.Linear exactly as its forward computes it."""
+    base = getattr(mod, "base_layer", None)
+    if base is None:
+        return F.linear(x, mod.weight, mod.bias)
+    result = F.linear(x, base.weight, base.bias)
+    if mod.disable_adapters:
+        return result
+    if groups is None:                               # lora.Linear.forward, vanilla LoRA
+        for name in mod.active_adapters:
+            if name not in mod.lora_A:
+                continue
+            a, b = mod.lora_A[name], mod.lora_B[name]
+            result = result + F.linear(F.linear(x, a.weight, a.bias), b.weight, b.bias) * mod.scaling[name]
+        return result
+    for name, index in groups:                       # lora.Linear._mixed_batch_forward
+        if name == "__base__" or name not in mod.lora_A:
+            continue
+        a, b = mod.lora_A[name], mod.lora_B[name]
+        sub = x[index]
+        result[index] += F.linear(F.linear(sub, a.weight, a.bias), b.weight, b.bias) * mod.scaling[name]
+    return result
+
+
+def _rms_norm(norm, h):
+    # LlamaRMSNorm.forward (float32 throughout for these models)
+    h32 = h.to(torch.float32)
+    variance = h32.pow(2).mean(-1, keepdim=True)
+    h32 = h32 * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * h32.to(h.dtype)
+
+
+def _rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class _LeanLlama:
+    def __init__(self, base):
+        self.base, self.lm = base, base.model
+        cfg = base.config
+        self.n_layers = cfg.num_hidden_layers
+        attn = self.lm.layers[0].self_attn
+        self.head_dim, self.groups_kv, self.scaling = attn.head_dim, attn.num_key_value_groups, attn.scaling
+
+    @torch.no_grad()
+    def __call__(self, input_ids, mask, position_ids, cache, adapter_names=None):
+        groups = None
+        if adapter_names is not None:   # peft's sub-batches: the rows of each adapter
+            groups = [(name, [i for i, n in enumerate(adapter_names) if n == name]) for name in set(adapter_names)]
+        lm = self.lm
+        emb = lm.embed_tokens
+        h = F.embedding(input_ids, emb.weight, emb.padding_idx, emb.max_norm, emb.norm_type,
+                        emb.scale_grad_by_freq, emb.sparse)
+        rope = lm.rotary_emb          # LlamaRotaryEmbedding.forward, default rope
+        freqs = position_ids[..., None].float() * rope.inv_freq.to(device=h.device, dtype=torch.float)
+        e = torch.cat((freqs, freqs), dim=-1)
+        cos = (e.cos() * rope.attention_scaling).to(dtype=h.dtype).unsqueeze(1)
+        sin = (e.sin() * rope.attention_scaling).to(dtype=h.dtype).unsqueeze(1)
+        B, S = input_ids.shape
+        shape = (B, S, -1, self.head_dim)
+        for idx, layer in enumerate(lm.layers[:self.n_layers]):
+            residual = h
+            x = _rms_norm(layer.input_layernorm, h)
+            at = layer.self_attn
+            q = _linear(at.q_proj, x, groups).view(shape).transpose(1, 2)
+            k = _linear(at.k_proj, x, groups).view(shape).transpose(1, 2)
+            v = _linear(at.v_proj, x, groups).view(shape).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            k, v = cache.update(k, v, idx)
+            n_rep = self.groups_kv
+            if n_rep > 1 and S == 1:      # sdpa_attention_forward: pack_gqa for one query
+                q = q.reshape(q.shape[0], q.shape[1] // n_rep, n_rep, q.shape[-1])
+            elif n_rep > 1:               # repeat_kv
+                b, kvh, sl, hd = k.shape
+                k = k[:, :, None].expand(b, kvh, n_rep, sl, hd).reshape(b, kvh * n_rep, sl, hd)
+                v = v[:, :, None].expand(b, kvh, n_rep, sl, hd).reshape(b, kvh * n_rep, sl, hd)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling,
+                                                 is_causal=False)
+            out = out.reshape(out.shape[0], -1, S, v.shape[-1]).transpose(1, 2).contiguous()
+            out = out.reshape(B, S, -1).contiguous()
+            h = residual + _linear(at.o_proj, out, groups)
+            residual = h
+            x = _rms_norm(layer.post_attention_layernorm, h)
+            mlp = layer.mlp
+            x = _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x, groups)) * _linear(mlp.up_proj, x, groups),
+                        groups)
+            h = residual + x
+        h = _rms_norm(lm.norm, h)
+        return _linear(self.base.lm_head, h[:, -1:, :], groups)[:, -1].float()

@@ -1,0 +1,78 @@
+"""A toy run's folder, read and written without the experiment itself.
+
+    runs/<name>/config.json        the settings
+    runs/<name>/arms/<arm>.jsonl   each arm's live log (`MetricsLog`)
+    runs/<name>/arms/<arm>.pt      each arm's latest state; <arm>.best.pt its best adapter
+    runs/<name>/metrics.jsonl      every arm's log in one file (`merge_metrics`)
+
+The experiment writes these; the collapse monitor's command line (`python -m
+minscope.monitor`) and the report read them. Keeping the folder's layout here, apart from
+`experiment` (which imports the monitor), lets both sides use it without importing each
+other. Only the standard library, `files` and the config's plain JSON are needed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .files import load_state, read_json, read_jsonl, truncate_log
+
+
+def arm_name(method: str, seed: int) -> str:
+    return f"{method}-s{seed}"
+
+
+def config_arms(config: dict) -> list[tuple[str, int]]:
+    """(method, seed) of every arm of a run, in the experiment's order (`ToyConfig.arms`),
+    from its config.json as a dict: the methods x seeds, then the ablations x their seeds."""
+    return ([(m, s) for m in config["methods"] for s in config["seeds"]]
+            + [(m, s) for m in config.get("ablations", ()) for s in config.get("ablation_seeds", ())])
+
+
+def run_arms(run_dir: Path) -> list[tuple[str, int]]:
+    """The arms of the run in `run_dir`, read from its config.json."""
+    return config_arms(read_json(Path(run_dir) / "config.json"))
+
+
+class MetricsLog:
+    """One arm's append-only JSONL. `trim(k)` drops what comes after the saved step k."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def trim(self, from_step: int):
+        # the state of step k is saved after its train record: everything later is redone
+        truncate_log(self.path, from_step)
+
+    def __call__(self, record: dict):
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def check_saved_arms(run_dir: Path, arms: list[tuple[str, int]]) -> None:
+    """Before a resumed run starts any worker: every arm's saved state must load and every
+    log must read (a half-written last line, left by a kill, is dropped with a note by the
+    arm itself); otherwise one message naming the damaged file (files.RunFileError)."""
+    for method, seed in arms:
+        arm = Path(run_dir) / "arms" / arm_name(method, seed)
+        for path in (arm.with_suffix(".pt"), arm.parent / f"{arm.name}.best.pt"):
+            if path.exists():
+                load_state(path)
+        log = arm.parent / f"{arm.name}.jsonl"
+        if log.exists():
+            read_jsonl(log, warn=lambda msg: None)   # the note comes when the arm trims it
+
+
+def merge_metrics(run_dir: Path, arms: list[tuple[str, int]] | None = None) -> Path:
+    """Concatenate the arms' logs into metrics.jsonl, in the order of `arms` (default: the
+    run's own, from its config.json)."""
+    run_dir = Path(run_dir)
+    arms = run_arms(run_dir) if arms is None else arms
+    out = run_dir / "metrics.jsonl"
+    with out.open("w") as f:
+        for method, seed in arms:
+            p = run_dir / "arms" / f"{arm_name(method, seed)}.jsonl"
+            if p.exists():
+                f.write(p.read_text())
+    return out
