@@ -222,15 +222,18 @@ def test_a_population_pool_serves_its_members_per_row_in_one_batch(smol):
 
 
 def test_verbalized_sampling_of_smollm2_counts_its_parse_failures(smol):
-    """SmolLM2 asked for 5 candidates with probabilities: whatever it writes, every request ends
-    as a draw or a fallback and every failed parse is a retry or a fallback (the rates it gets
-    with longer answers: bench/vs_rates.py)."""
+    """SmolLM2 asked for 5 candidates with probabilities (a 2-turn conversation, short answers):
+    whatever it writes, every request ends as a draw or a fallback and every failed parse is a
+    retry or a fallback. The rates it gets with room to answer: bench/vs_rates.py."""
     model, tok = smol
-    env = P4GEnv(P4G_CSV, split="all", max_turns=2)
+
+    class Ask(Talk):
+        max_turns = 2
+
     policy = LMSpeaker(model, tok, "agent", adapter="policy", temperature=0.7, max_new_tokens=6)
-    vs = Verbalized(Frozen(model, tok, adapter=None, temperature=0.7, max_new_tokens=8), k=5, retries=1)
+    vs = Verbalized(Frozen(model, tok, adapter=None, temperature=0.7, max_new_tokens=5), k=5, retries=1)
     torch.manual_seed(0)
-    episodes = rollout(env, env.tasks()[:1], policy, vs, group_size=2)
+    episodes = rollout(Ask(), ["t"], policy, vs, group_size=2)
     s = vs.stats.as_dict()
     assert s["requests"] == 2 and s["draws"] + s["fallbacks"] == 2
     assert s["parse_failures"] == s["retries"] + s["fallbacks"] and s["retries"] <= 2
