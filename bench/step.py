@@ -69,7 +69,8 @@ sys.path.insert(0, str(REPO))                     # run from anywhere: python be
 from minscope import methods as methods_mod  # noqa: E402
 from minscope import rollout as rollout_mod  # noqa: E402
 from minscope.envs.base import Environment, Step  # noqa: E402
-from minscope.models import QWEN3_SHAPES, add_adapters, build_tokenizer, load_model, model_device  # noqa: E402
+from minscope.models import (QWEN3_SHAPES, add_adapters, build_tokenizer, enable_checkpointing,  # noqa: E402
+                             load_model, model_device)
 from minscope.rollout import LMSpeaker  # noqa: E402
 from minscope.simulators import Frozen  # noqa: E402
 from minscope.trainer import UpdateConfig  # noqa: E402
@@ -167,11 +168,12 @@ class Shaped(Environment):
 
 # ------------------------------------------------------------------ models
 def build_real(name: str, args):
-    """(model, tokenizer) of a real checkpoint, as train.py loads it, with the two adapters."""
+    """(model, tokenizer) of a real checkpoint as train.py loads it (activation checkpointing
+    on unless --no-checkpointing, on the CPU too), with the two adapters."""
     model, tokenizer = load_model(name, load_in_4bit=args.load_in_4bit, device=args.device,
                                   dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)
-    if not args.no_checkpointing and args.device == "cuda":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not args.no_checkpointing:
+        enable_checkpointing(model)
     return add_adapters(model, ["policy", "simulator"]), tokenizer
 
 
