@@ -199,7 +199,11 @@ def resolve_checkpoint(name_or_path: str, log=print) -> str:
             return str(folder)
         except Exception as e:   # noqa: BLE001 - any damage (JSON, safetensors, missing file): rebuild
             log(f"the cached conversion {folder} does not load ({type(e).__name__}: {str(e)[:120]}); rebuilding it")
-    convert_gguf(path, folder, log=log)
+    try:
+        convert_gguf(path, folder, log=log)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:   # not a GGUF transformers can read, or no room
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise SystemExit(f"error: could not convert {path} into {folder}: {cause}") from None
     return str(folder)
 
 

@@ -113,6 +113,13 @@ def test_a_missing_wheel_is_one_line_naming_the_install_command(monkeypatch):
         load_model("smollm2")
 
 
+def test_a_file_that_is_not_gguf_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINSCOPE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "model.gguf").write_text("not a model")
+    with pytest.raises(SystemExit, match=r"^error: could not convert .*model\.gguf.*not a GGUF file"):
+        load_model(str(tmp_path / "model.gguf"))
+
+
 @pytest.mark.parametrize("damage", ["config", "weights"])
 def test_a_damaged_cache_entry_is_rebuilt_with_one_line(smollm2_dir, tmp_path, monkeypatch, damage):
     """A cache whose entry is damaged converts again (here the conversion is replaced by a copy
