@@ -45,7 +45,7 @@ over the step (CUDA only). With --repeats N each mode runs N steps, the modes in
 Examples:
   python bench/step.py --device cpu                       # small shape, single, batch 32, 4+4 turns
   python bench/step.py --model smollm2 --device cpu --tasks 2 --group-size 8 --turns 5 \
-      --modes kept,reprefill,generate --no-update         # SmolLM2-135M, batch 16, 5+5 turns
+      --turn-tokens 16 --modes kept,reprefill,generate --no-update   # SmolLM2-135M, batch 16, 5+5 turns
   python bench/step.py --device cuda --shapes 1.7b --load-in-4bit --methods population
 """
 
