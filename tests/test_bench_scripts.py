@@ -26,14 +26,15 @@ def test_step_benchmark_compares_the_kept_cache_with_re_prefilling(tmp_path):
     out = tmp_path / "step.json"
     run = subprocess.run([sys.executable, str(BENCH / "step.py"), "--device", "cpu", "--methods", "population",
                           "--turns", "3", "--turn-tokens", "6", "--tasks", "2", "--group-size", "2",
-                          "--warmup", "0", "--json", str(out)],
+                          "--warmup", "0", "--modes", "kept,reprefill,generate", "--json", str(out)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-1500:]
     rows = {r["mode"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"kept", "reprefill"}
-    assert rows["kept"]["generated"] == rows["reprefill"]["generated"] == 2 * 2 * 3 * 2 * 6
-    assert rows["kept"]["prefilled"] < 0.7 * rows["reprefill"]["prefilled"]
+    assert set(rows) == {"kept", "reprefill", "generate"}
+    assert {r["generated"] for r in rows.values()} == {2 * 2 * 3 * 2 * 6}      # generate too: fixed-length turns
+    assert rows["kept"]["prefilled"] < 0.7 * rows["reprefill"]["prefilled"] == 0.7 * rows["generate"]["prefilled"]
     assert "re-prefilled (" in run.stdout and "% fewer)" in run.stdout
+    assert "population: rollout tokens/s: kept " in run.stdout and "x generate" in run.stdout.splitlines()[-1]
 
 
 def test_logprob_benchmark_runs_new_path_and_reports_missing_peers(tmp_path):

