@@ -51,6 +51,18 @@ class FixedActs:
         return [Turn("agent", ACTS[self.seq[sum(t.role == "agent" for t in ep.turns)]]) for ep in episodes]
 
 
+class GroupActs:
+    """A persuader that plays, in every episode of rollout group g, the act sequence
+    `seqs[g]`: several fixed sequences played in one batched rollout."""
+
+    def __init__(self, seqs):
+        self.seqs = [tuple(s) for s in seqs]
+
+    def respond(self, episodes, env):
+        return [Turn("agent", ACTS[self.seqs[ep.group][sum(t.role == "agent" for t in ep.turns)]])
+                for ep in episodes]
+
+
 def exploit_histories(world: World, gamma: float) -> list[tuple]:
     """The probe, and the histories the exploit passes through when the gamma-sharpened users
     give their modal reply each time: where a collapsed simulator and the real users differ
@@ -99,19 +111,27 @@ def diversity_histories(world: World, gamma: float) -> dict:
     return out
 
 
-def sampled_replies(speaker, world: World, histories, n: int) -> dict:
+def sampled_replies(speaker, world: World, histories, n: int, one_call: bool = False) -> dict:
     """{(persona, history): {reply: frequency}} from n replies of `speaker` per persona and
-    history (one batch each; the speaker's own temperature)."""
+    history (the speaker's own temperature): one batch per persona and history, or with
+    `one_call` every persona and history in ONE batch (the same distribution, fewer calls:
+    on the toy's tiny models the time is per call, not per row; other random draws)."""
     env = ToyEnv(world)
+    keys = [(task, tuple(history)) for history in histories for task in env.tasks()]
+    batches = [[Episode(task=task, group=0, turns=[Turn("agent" if i % 2 == 0 else "partner", u)
+                                                   for i, u in enumerate(history)]) for _ in range(n)]
+               for task, history in keys]
+    if one_call:
+        flat = speaker.respond([ep for batch in batches for ep in batch], env)
+        turns = [flat[k * n:(k + 1) * n] for k in range(len(keys))]
+    else:
+        turns = [speaker.respond(batch, env) for batch in batches]
     out = {}
-    for history in histories:
-        for task in env.tasks():
-            batch = [Episode(task=task, group=0, turns=[Turn("agent" if i % 2 == 0 else "partner", u)
-                                                        for i, u in enumerate(history)]) for _ in range(n)]
-            counts = {}
-            for turn in speaker.respond(batch, env):
-                counts[turn.text.strip()] = counts.get(turn.text.strip(), 0) + 1 / n
-            out[(task.persona, tuple(history))] = counts
+    for (task, history), replies in zip(keys, turns):
+        counts = {}
+        for turn in replies:
+            counts[turn.text.strip()] = counts.get(turn.text.strip(), 0) + 1 / n
+        out[(task.persona, history)] = counts
     return out
 
 
@@ -139,13 +159,29 @@ def sequence_value(speaker, world: World, seq, episodes: int = 64) -> float:
     return float(np.mean([e.reward for e in eps]))
 
 
+def sequence_values(speaker, world: World, seqs: dict, episodes: int = 64) -> dict:
+    """name -> `sequence_value` of every act sequence in `seqs`, all played in ONE batched
+    rollout (group g of the rollout plays its sequence against persona g mod #personas)."""
+    env = ToyEnv(world)
+    tasks = env.tasks()
+    names = list(seqs)
+    per = episodes // len(tasks)
+    eps = rollout(env, [t for _ in names for t in tasks], GroupActs([seqs[name] for name in names for _ in tasks]),
+                  speaker, per)
+    block = per * len(tasks)
+    return {name: float(np.mean([e.reward for e in eps[i * block:(i + 1) * block]])) for i, name in enumerate(names)}
+
+
 def member_profile(speaker, world: World, gamma: float, n: int = 32, episodes: int = 64) -> dict:
     """What `pool_diversity` needs of one member, JSON-able (computed once per snapshot):
     its sampled reply table at every `diversity_histories` history (n replies each), the
-    value of every exploit inside it, and n (for the noise floor)."""
+    value of every exploit inside it, and n (for the noise floor). Two batched calls: every
+    reply of the table in one, every exploit's episodes in one rollout (the time on the
+    toy's tiny models is per call). Draws from torch's global generator: the callers
+    run it on a stream of its own (`evaluate.isolated_rng`)."""
     histories = list(dict.fromkeys(h for hs in diversity_histories(world, gamma).values() for h in hs))
-    table = sampled_replies(speaker, world, histories, n)
-    values = {name: sequence_value(speaker, world, seq, episodes) for name, seq in exploits(world, gamma).items()}
+    table = sampled_replies(speaker, world, histories, n, one_call=True)
+    values = sequence_values(speaker, world, exploits(world, gamma), episodes)
     return {"exploit_value": values["upsell"], "exploit_values": values, "n": n,
             "replies": [[p, list(h), d] for (p, h), d in table.items()]}
 
