@@ -111,27 +111,19 @@ def diversity_histories(world: World, gamma: float) -> dict:
     return out
 
 
-def sampled_replies(speaker, world: World, histories, n: int, one_call: bool = False) -> dict:
+def sampled_replies(speaker, world: World, histories, n: int) -> dict:
     """{(persona, history): {reply: frequency}} from n replies of `speaker` per persona and
-    history (the speaker's own temperature): one batch per persona and history, or with
-    `one_call` every persona and history in ONE batch (the same distribution, fewer calls:
-    on the toy's tiny models the time is per call, not per row; other random draws)."""
+    history (one batch each; the speaker's own temperature)."""
     env = ToyEnv(world)
-    keys = [(task, tuple(history)) for history in histories for task in env.tasks()]
-    batches = [[Episode(task=task, group=0, turns=[Turn("agent" if i % 2 == 0 else "partner", u)
-                                                   for i, u in enumerate(history)]) for _ in range(n)]
-               for task, history in keys]
-    if one_call:
-        flat = speaker.respond([ep for batch in batches for ep in batch], env)
-        turns = [flat[k * n:(k + 1) * n] for k in range(len(keys))]
-    else:
-        turns = [speaker.respond(batch, env) for batch in batches]
     out = {}
-    for (task, history), replies in zip(keys, turns):
-        counts = {}
-        for turn in replies:
-            counts[turn.text.strip()] = counts.get(turn.text.strip(), 0) + 1 / n
-        out[(task.persona, history)] = counts
+    for history in histories:
+        for task in env.tasks():
+            batch = [Episode(task=task, group=0, turns=[Turn("agent" if i % 2 == 0 else "partner", u)
+                                                        for i, u in enumerate(history)]) for _ in range(n)]
+            counts = {}
+            for turn in speaker.respond(batch, env):
+                counts[turn.text.strip()] = counts.get(turn.text.strip(), 0) + 1 / n
+            out[(task.persona, tuple(history))] = counts
     return out
 
 
@@ -175,12 +167,13 @@ def sequence_values(speaker, world: World, seqs: dict, episodes: int = 64) -> di
 def member_profile(speaker, world: World, gamma: float, n: int = 32, episodes: int = 64) -> dict:
     """What `pool_diversity` needs of one member, JSON-able (computed once per snapshot):
     its sampled reply table at every `diversity_histories` history (n replies each), the
-    value of every exploit inside it, and n (for the noise floor). Two batched calls: every
-    reply of the table in one, every exploit's episodes in one rollout (the time on the
-    toy's tiny models is per call). Draws from torch's global generator: the callers
-    run it on a stream of its own (`evaluate.isolated_rng`)."""
+    value of every exploit inside it, and n (for the noise floor). Every exploit is played
+    in one batched rollout (fewer calls). The tables stay one call per persona and history:
+    one call for all of them was no faster (their cost is prefilling the same prompt n times,
+    not the calls). Draws from torch's global generator: the callers run it on a stream of
+    its own (`evaluate.isolated_rng`)."""
     histories = list(dict.fromkeys(h for hs in diversity_histories(world, gamma).values() for h in hs))
-    table = sampled_replies(speaker, world, histories, n, one_call=True)
+    table = sampled_replies(speaker, world, histories, n)
     values = sequence_values(speaker, world, exploits(world, gamma), episodes)
     return {"exploit_value": values["upsell"], "exploit_values": values, "n": n,
             "replies": [[p, list(h), d] for (p, h), d in table.items()]}

@@ -229,14 +229,12 @@ def test_relog_reproduces_the_live_log_and_applies_other_thresholds():
     assert [r for r in strict if r["kind"] != "alarm"] == recs
 
 
-def test_the_batched_profile_reads_what_one_call_per_table_and_sequence_reads():
-    """member_profile samples every table in one call and plays every exploit in one
-    rollout: for a deterministic member each table and value is the per-call one."""
-    from minscope.diversity import diversity_histories, exploits, sampled_replies, sequence_value, sequence_values
+def test_the_batched_exploit_values_read_what_one_rollout_per_sequence_reads():
+    """member_profile plays every exploit in one rollout: for a deterministic member each
+    value is the one a rollout of its own reads."""
+    from minscope.diversity import exploits, sequence_value, sequence_values
 
-    hs = list(dict.fromkeys(h for g in diversity_histories(W, GAMMA).values() for h in g))
     member = Modal(reveal=True)
-    assert sampled_replies(member, W, hs, 4, one_call=True) == sampled_replies(member, W, hs, 4)
     seqs = {**exploits(W, GAMMA), "probe_x3": ("probe",) * 3, "small_x3": ("small_ask",) * 3}
     values = sequence_values(member, W, seqs, episodes=8)
     assert values == {name: sequence_value(member, W, seq, episodes=8) for name, seq in seqs.items()}
