@@ -51,6 +51,18 @@ class FixedActs:
         return [Turn("agent", ACTS[self.seq[sum(t.role == "agent" for t in ep.turns)]]) for ep in episodes]
 
 
+class GroupActs:
+    """A persuader that plays, in every episode of rollout group g, the act sequence
+    `seqs[g]`: several fixed sequences played in one batched rollout."""
+
+    def __init__(self, seqs):
+        self.seqs = [tuple(s) for s in seqs]
+
+    def respond(self, episodes, env):
+        return [Turn("agent", ACTS[self.seqs[ep.group][sum(t.role == "agent" for t in ep.turns)]])
+                for ep in episodes]
+
+
 def exploit_histories(world: World, gamma: float) -> list[tuple]:
     """The probe, and the histories the exploit passes through when the gamma-sharpened users
     give their modal reply each time: where a collapsed simulator and the real users differ
@@ -139,13 +151,30 @@ def sequence_value(speaker, world: World, seq, episodes: int = 64) -> float:
     return float(np.mean([e.reward for e in eps]))
 
 
+def sequence_values(speaker, world: World, seqs: dict, episodes: int = 64) -> dict:
+    """name -> `sequence_value` of every act sequence in `seqs`, all played in ONE batched
+    rollout (group g of the rollout plays its sequence against persona g mod #personas)."""
+    env = ToyEnv(world)
+    tasks = env.tasks()
+    names = list(seqs)
+    per = episodes // len(tasks)
+    eps = rollout(env, [t for _ in names for t in tasks], GroupActs([seqs[name] for name in names for _ in tasks]),
+                  speaker, per)
+    block = per * len(tasks)
+    return {name: float(np.mean([e.reward for e in eps[i * block:(i + 1) * block]])) for i, name in enumerate(names)}
+
+
 def member_profile(speaker, world: World, gamma: float, n: int = 32, episodes: int = 64) -> dict:
     """What `pool_diversity` needs of one member, JSON-able (computed once per snapshot):
     its sampled reply table at every `diversity_histories` history (n replies each), the
-    value of every exploit inside it, and n (for the noise floor)."""
+    value of every exploit inside it, and n (for the noise floor). Every exploit is played
+    in one batched rollout (fewer calls). The tables stay one call per persona and history:
+    one call for all of them was no faster (their cost is prefilling the same prompt n times,
+    not the calls). Draws from torch's global generator: the callers run it on a stream of
+    its own (`evaluate.isolated_rng`)."""
     histories = list(dict.fromkeys(h for hs in diversity_histories(world, gamma).values() for h in hs))
     table = sampled_replies(speaker, world, histories, n)
-    values = {name: sequence_value(speaker, world, seq, episodes) for name, seq in exploits(world, gamma).items()}
+    values = sequence_values(speaker, world, exploits(world, gamma), episodes)
     return {"exploit_value": values["upsell"], "exploit_values": values, "n": n,
             "replies": [[p, list(h), d] for (p, h), d in table.items()]}
 

@@ -108,7 +108,7 @@ def _eval_record(toy: Toy, m: Method, method: str, seed: int, step: int, final: 
     rec["real_users_rewards"] = [e.reward for e in res["real_users"]["episodes"]]
     rec["transcripts"] = [e.transcript(("persuader", "user")) for e in res["real_users"]["episodes"][::n_real][:2]]
     acts = [tuple(e.info.get("acts", ())) for e in res["real_users"]["episodes"]]
-    rec["top_sequence"] = " | ".join(max(set(acts), key=acts.count)) if acts else ""
+    rec["top_sequence"] = " | ".join(max(sorted(set(acts)), key=acts.count)) if acts else ""
     return rec
 
 

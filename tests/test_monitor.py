@@ -227,3 +227,15 @@ def test_relog_reproduces_the_live_log_and_applies_other_thresholds():
     strict = relog(live, MonitorConfig(entropy_frac=0.1, zero_var=0.95, mode_prob=0.99))
     assert {r["signal"] for r in strict if r["kind"] == "alarm"} == {"divergence", "divergence_real"}
     assert [r for r in strict if r["kind"] != "alarm"] == recs
+
+
+def test_the_batched_exploit_values_read_what_one_rollout_per_sequence_reads():
+    """member_profile plays every exploit in one rollout: for a deterministic member each
+    value is the one a rollout of its own reads."""
+    from minscope.diversity import exploits, sequence_value, sequence_values
+
+    member = Modal(reveal=True)
+    seqs = {**exploits(W, GAMMA), "probe_x3": ("probe",) * 3, "small_x3": ("small_ask",) * 3}
+    values = sequence_values(member, W, seqs, episodes=8)
+    assert values == {name: sequence_value(member, W, seq, episodes=8) for name, seq in seqs.items()}
+    assert len(set(values.values())) > 1           # the sequences differ: a mix-up would show

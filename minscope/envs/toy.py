@@ -152,7 +152,7 @@ def donation(replies) -> float:
 
 def total_variation(p: dict, q: dict) -> float:
     """Total variation distance 0.5 * sum |p - q| between two dicts of probabilities."""
-    keys = set(p) | set(q)
+    keys = sorted(set(p) | set(q))     # a fixed order: the sum's last bit must not follow the hash seed
     return 0.5 * sum(abs(p.get(k, 0.0) - q.get(k, 0.0)) for k in keys)
 
 
