@@ -228,18 +228,25 @@ def make_method(name: str, model, tokenizer, args):
 
 
 # ------------------------------------------------------------------ the sampler before the kept cache
+def left_pad(prompts, pad_id):
+    """Token ids and attention mask of `prompts`, left-padded to the longest (CPU tensors)."""
+    T = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), T), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, T - len(p):] = torch.tensor(p)
+        attention[i, T - len(p):] = 1
+    return input_ids, attention
+
+
 @torch.no_grad()
 def legacy_sample(model, prompts, pad_id, eos_ids, max_new_tokens, temperature=1.0, adapter_names=None,
                   cache=None, owners=None, **_):
     """minscope's sampler before the kept KV cache (for the `legacy` mode only)."""
     device = model_device(model)
     model.eval()
-    B, T = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, T), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, T - len(p):] = torch.tensor(p)
-        attention[i, T - len(p):] = 1
+    B = len(prompts)
+    input_ids, attention = left_pad(prompts, pad_id)
     input_ids, attention = input_ids.to(device), attention.to(device)
     position = (attention.cumsum(-1) - 1).clamp(min=0)
     extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
@@ -277,12 +284,8 @@ def generate_sample(model, prompts, pad_id, eos_ids, max_new_tokens, temperature
     the sampled tokens from the logits it returns; no EOS when `eos_ids` is empty."""
     device = model_device(model)
     model.eval()
-    B, T = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, T), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, T - len(p):] = torch.tensor(p)
-        attention[i, T - len(p):] = 1
+    input_ids, attention = left_pad(prompts, pad_id)
+    T = input_ids.shape[1]
     extra = {"adapter_names": adapter_names} if adapter_names is not None else {}
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
         dict(do_sample=False)
