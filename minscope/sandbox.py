@@ -119,8 +119,11 @@ def bwrap_args(argv, cwd, writable=(), readable=(), readonly_inside=(), limits: 
         if Path(d).exists():
             d = str(Path(d).resolve())
             args += ["--ro-bind", d, d]
+    argv = [str(a) for a in argv]
+    if argv and os.path.isabs(argv[0]):        # only real paths are bound: resolve links in its folder
+        argv[0] = str(Path(argv[0]).parent.resolve() / Path(argv[0]).name)   # (a venv's python stays a link)
     # the sandbox's own root (where bwrap made the mount points) read-only too
-    return args + ["--remount-ro", "/", "--chdir", cwd, "--", *map(str, argv)]
+    return args + ["--remount-ro", "/", "--chdir", cwd, "--", *argv]
 
 
 def _tasks_of(uid: int) -> int:

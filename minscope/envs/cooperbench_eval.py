@@ -301,11 +301,11 @@ def clone_base(repo, task_dir, into) -> tuple[Path, str]:
 def test_python(spec: TaskSpec) -> str:
     """The interpreter that runs a task's tests: spec.python, else a cached virtual environment
     holding exactly spec.deps (built on first use, with pip; offline afterwards)."""
-    if spec.python:
-        return spec.python
+    if spec.python:     # its folder's links resolved (the sandbox binds real paths), not the file's:
+        return str(Path(spec.python).absolute().parent.resolve() / Path(spec.python).name)  # a venv's python is a link
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     key = hashlib.sha1("\n".join([version, *sorted(spec.deps)]).encode()).hexdigest()[:12]
-    venv = cache_dir() / "venvs" / f"py{version}-{key}"
+    venv = Path(cache_dir()).resolve() / "venvs" / f"py{version}-{key}"
     python = venv / "bin" / "python"
     if (venv / "minscope-ok").is_file() and python.exists():
         return str(python)
