@@ -1,5 +1,5 @@
 """Benchmark: `python -m minscope.serve` and the served client against hostile peers, with
-figures, for the cases too slow or too large for a test (issue 32, cases 11 and 13).
+figures, for the cases too slow or too large for a test (the trickling server and the gzip bomb among them).
 
     python bench/hostile_serving.py                      this checkout
     python bench/hostile_serving.py --repo ../main       another checkout (before/after)
