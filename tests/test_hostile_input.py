@@ -1,4 +1,4 @@
-"""Hostile input to the server, the served client, the run lock and the trainer
+"""Hostile input to the server, the served client, the run lock and the trainer.
 The hostile-input cases failed on the code before the fix, with a traceback, a 500
 for a whole batch, a dead thread, a hang, a wrong number or two holders of one lock (each
 test's docstring says how); a few neighbours (n 17, an unknown model, temperature 11) held
