@@ -171,7 +171,7 @@ def gguf_file(name_or_path: str) -> Path | None:
         path = Path(spec.origin).parent / filename if spec and spec.origin else None
         if path is None or not path.is_file():
             raise SystemExit(f"error: model {name_or_path!r} needs its package: {install}")
-        return path
+        return path.resolve()          # (the cache key hashes the path: one file, one key)
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path.resolve()
