@@ -164,7 +164,7 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
         metrics.update(kind="train", method=method, seed=seed, seconds=time.time() - t0,
                        invalid_acts=float(np.mean([e.info.get("n_invalid", 0) for e in episodes])))
         emit(metrics)
-        if m.trains_simulator and step % (c.pool_measure_every or c.pool_every) == 0:
+        if m.trains_simulator and (step % (c.pool_measure_every or c.pool_every) == 0 or step == steps - 1):
             with isolated_rng(eval_seed(seed, step) + 2, m.partner):
                 write({"kind": "pool", "method": method, "seed": seed, "step": step,
                        **measure_pool(toy, m, step, profiles)})

@@ -64,12 +64,14 @@ def build_method(name: str, policy: LMSpeaker, frozen: list, policy_cfg: UpdateC
                  sim_reward: str = "adversarial", personas=None, vs_k: int = 5,
                  vs_mode: str = "weighted", pool_size: int = 5, pool_every: int = 4,
                  oracle=None, seed: int = 0, sim_baseline: str = "auto",
-                 sim_temperature: float | None = None) -> Method:
+                 sim_temperature: float | None = None, pool_draw: str = "uniform") -> Method:
     """Assemble a method from parts.
 
     frozen: simulators (Frozen speakers); `single`/`vs`/`persona` use frozen[0], `ensemble`
     uses all of them. `cotrain`/`population` train adapter "simulator" on `sim_model` (which
-    must carry that adapter), sampled at `sim_temperature` (default: frozen[0]'s). `sim_baseline`: how the
+    must carry that adapter), sampled at `sim_temperature` (default: frozen[0]'s); `pool_draw`:
+    how Population Co-Training's groups draw from the pool ("uniform", or "hardest": the pool
+    curator of `simulators.Population`). `sim_baseline`: how the
     trained simulator's advantages are normalised (see `sim_baseline`; checked here, so that
     a configuration that cannot train the simulator fails before any rollout).
     """
@@ -100,7 +102,8 @@ def build_method(name: str, policy: LMSpeaker, frozen: list, policy_cfg: UpdateC
         kw = dict(reward=sim_reward, temperature=temperature,
                   max_new_tokens=base.max_new_tokens if base else 64)
         m.partner = (Trainable(sim_model, sim_tokenizer, **kw) if name == "cotrain" else
-                     Population(sim_model, sim_tokenizer, size=pool_size, every=pool_every, seed=seed, **kw))
+                     Population(sim_model, sim_tokenizer, size=pool_size, every=pool_every, seed=seed,
+                                draw=pool_draw, **kw))
         m.sim_cfg = sim_cfg or UpdateConfig()
         m.sim_opt = make_optimizer(sim_model, "simulator", m.sim_cfg)
     elif name == "selfplay":
@@ -222,6 +225,8 @@ def train_step(method: Method, env, tasks, group_size: int, step: int, first_gro
     if isinstance(m.partner, Verbalized):
         m.partner.stats.reset()           # the vs_* metrics count this step's rollout only
     episodes = rollout(env, tasks, m.policy, m.partner, group_size, first_group=first_group, seed=seed)
+    if isinstance(m.partner, Population):
+        m.partner.observe(episodes)       # before any snapshot moves the pool's slots
     rewards = torch.tensor([ep.reward for ep in episodes])
     adv, zero_var = group_advantages(rewards, group_size)
     train_eps, train_adv = episodes, adv
@@ -251,6 +256,7 @@ def train_step(method: Method, env, tasks, group_size: int, step: int, first_gro
         if step > 0 and step % m.partner.every == 0:
             m.partner.snapshot(step)
         metrics["pool_size"] = len(m.partner.pool)
+        metrics["pool_scores"] = {str(k): round(v, 4) for k, v in sorted(m.partner.scores.items())}
         metrics["pool_mb"] = m.partner.pool_nbytes() / 2**20
     if isinstance(m.partner, Verbalized):
         metrics.update({f"vs_{k}": v for k, v in m.partner.stats.as_dict().items()})

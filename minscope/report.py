@@ -102,7 +102,8 @@ def summarize(records, reference: dict) -> dict:
     return results
 
 
-POOL_KEYS = ("pairwise_tv", "tv_sim_a", "tv_real", "exploit_value")
+POOL_KEYS = ("pairwise_tv", "pairwise_floor", "pairwise_tv_excess", "tv_sim_a", "tv_real", "exploit_value",
+             "cue_rate", "real_cue_rate")
 
 
 def pool_summary(pools: dict) -> dict:
@@ -235,14 +236,23 @@ def pool_md(results) -> list[str]:
     ref = next(iter(rows.values())).get("sim_a_exploit_value")
     lines = ["## Pool diversity (last snapshot; minscope.diversity)", "",
              "At the histories the exploit passes through: the mean pairwise TV between pool members "
-             "(Co-Training: one live simulator, so none), each member's mean TV to sim-a as the frozen arms "
-             "meet it and to the real users, and the exploit's value inside the members"
-             + (f" (inside sim-a: {ref:.3f})" if ref is not None else "") + ". Means over seeds.", "",
-             "| method | pairwise TV | TV to sim-a | TV to real users | exploit value inside |", "|---|---|---|---|---|"]
+             "(Co-Training: one live simulator, so none), the TV two copies of one member read from sampling "
+             "noise alone at the same sample size (the floor), and the excess above it; each member's mean TV "
+             "to sim-a as the frozen arms meet it and to the real users; the exploit's value inside the members"
+             + (f" (inside sim-a: {ref:.3f})" if ref is not None else "")
+             + "; and how often a member names its own cue when probed (the information the sharpened users "
+             "suppress). Means over seeds.", "",
+             "| method | pairwise TV | its noise floor | excess | TV to sim-a | TV to real users | exploit value inside "
+             "| own cue when probed |", "|---|---|---|---|---|---|---|---|"]
+    real_cue = None
     for m, p in rows.items():
         f = p["final"]
-        lines.append(f"| {label(m)} | {fmt(f['pairwise_tv'])} | {fmt(f['tv_sim_a'])} | {fmt(f['tv_real'])} | "
-                     f"{fmt(f['exploit_value'])} |")
+        real_cue = f.get("real_cue_rate") if f.get("real_cue_rate") is not None else real_cue
+        lines.append(f"| {label(m)} | {fmt(f['pairwise_tv'])} | {fmt(f.get('pairwise_floor'))} | "
+                     f"{fmt(f.get('pairwise_tv_excess'))} | {fmt(f['tv_sim_a'])} | {fmt(f['tv_real'])} | "
+                     f"{fmt(f['exploit_value'])} | {fmt(f.get('cue_rate'))} |")
+    if real_cue is not None:
+        lines += ["", f"The real users name their own cue when probed {real_cue:.3f} of the time."]
     return lines + [""]
 
 

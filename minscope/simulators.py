@@ -152,20 +152,34 @@ class Trainable(LMSpeaker):
         self.reward, self.trainable_adapter = reward, adapter
 
 
+POOL_DRAWS = ("uniform", "hardest")
+
+
 class Population(Trainable):
     """Population Co-Training: a FIFO pool of the last K snapshots of the trainable adapter.
 
-    Each rollout group draws its simulator uniformly from the pool (one batch serves all
-    members at once through per-row adapters). The trainable adapter keeps learning between
-    snapshots; `snapshot()` is called every `every` policy steps. Snapshots are LoRA state
-    dicts on the shared base, loaded into K adapter slots `pool0..pool{K-1}`.
+    Each rollout group draws its simulator from the pool (one batch serves all members at
+    once through per-row adapters). The trainable adapter keeps learning between snapshots;
+    `snapshot()` is called every `every` policy steps. Snapshots are LoRA state dicts on the
+    shared base, loaded into K adapter slots `pool0..pool{K-1}`.
+
+    draw: "uniform" (the paper) or "hardest", a pool curator (the paper's future work): a
+    member is drawn with weight (1 - r)^2 + 0.01, where r is the policy's recent reward
+    against it (an average over its last groups, `observe`, halving the weight of older
+    ones; rewards read in [0, 1]). A snapshot not yet met counts as r = 0, so it is tried
+    soon. The policy then trains most against the members it does worst against, the ones
+    whose replies it has not learned to exploit (the squared weight is the "hard" form of
+    prioritised self-play; 0.01 keeps every member in play).
     """
 
     def __init__(self, model, tokenizer, adapter: str = "simulator", reward: str = "adversarial",
                  size: int = 5, every: int = 4, temperature: float = 1.0, max_new_tokens: int = 64,
-                 seed: int = 0, name: str = "population"):
+                 seed: int = 0, name: str = "population", draw: str = "uniform"):
         super().__init__(model, tokenizer, adapter, reward, temperature, max_new_tokens, name)
-        self.size, self.every, self.rng = size, every, random.Random(seed)
+        if draw not in POOL_DRAWS:
+            raise ValueError(f"unknown pool draw {draw!r}; use {' or '.join(POOL_DRAWS)}")
+        self.size, self.every, self.rng, self.draw = size, every, random.Random(seed), draw
+        self.scores: dict[int, float] = {}         # snapshot step -> the policy's recent reward
         self.pool: deque = deque(maxlen=size)      # (step, state dict), oldest first
         self.slots = [f"pool{i}" for i in range(size)]
         for slot in self.slots:   # same LoRA layout as the trained adapter, so snapshots fit
@@ -182,20 +196,42 @@ class Population(Trainable):
     def pool_nbytes(self) -> int:
         return sum(adapter_nbytes(s) for _, s in self.pool)
 
+    def weights(self) -> list[float]:
+        """Each member's draw weight (pool order): all 1 for "uniform"."""
+        if self.draw == "uniform":
+            return [1.0] * len(self.pool)
+        return [(1.0 - min(max(self.scores.get(step, 0.0), 0.0), 1.0)) ** 2 + 0.01 for step, _ in self.pool]
+
     def assign(self, episodes):
         if not self.pool:
             self.snapshot(0)
-        drawn = {}
+        drawn, n, weights = {}, len(self.pool), self.weights()
         for ep in episodes:
             if ep.group not in drawn:
-                drawn[ep.group] = self.slots[self.rng.randrange(len(self.pool))]
+                i = self.rng.randrange(n) if self.draw == "uniform" else self.rng.choices(range(n), weights)[0]
+                drawn[ep.group] = self.slots[i]
             ep.partner_name = drawn[ep.group]
 
+    def observe(self, episodes):
+        """Record the policy's reward against each member that served `episodes` (the curator's
+        input; every draw keeps the record, so the log shows what the policy meets)."""
+        step_of = {slot: step for slot, (step, _) in zip(self.slots, self.pool)}
+        rewards: dict[int, list] = {}
+        for ep in episodes:
+            if ep.partner_name in step_of:
+                rewards.setdefault(step_of[ep.partner_name], []).append(float(ep.reward))
+        for step, rs in rewards.items():
+            r = sum(rs) / len(rs)
+            self.scores[step] = r if step not in self.scores else 0.5 * self.scores[step] + 0.5 * r
+        live = {step for step, _ in self.pool}
+        self.scores = {s: v for s, v in self.scores.items() if s in live}
+
     def state(self):
-        return {"pool": list(self.pool), "rng": self.rng.getstate()}
+        return {"pool": list(self.pool), "rng": self.rng.getstate(), "scores": dict(self.scores)}
 
     def load_state(self, state):
         self.pool = deque(state["pool"], maxlen=self.size)
         self.rng.setstate(state["rng"])
+        self.scores = dict(state.get("scores", {}))
         for slot, (_, s) in zip(self.slots, self.pool):
             load_adapter_state(self.model, slot, s)

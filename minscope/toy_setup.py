@@ -26,7 +26,7 @@ from .trainer import UpdateConfig
 
 TOY_METHODS = ("base", "single", "vs", "ensemble", "cotrain", "population", "oracle")
 # what may follow the colon of an ablation arm, joined by "+" (see Toy.method)
-TOY_VARIANTS = ("adversarial", "cooperative", "curriculum", "anchor", "group", "batch", "g<gamma>")
+TOY_VARIANTS = ("adversarial", "cooperative", "curriculum", "anchor", "hardest", "group", "batch", "g<gamma>")
 
 
 def is_toy_variant(tweak: str) -> bool:
@@ -57,15 +57,12 @@ class ToyConfig:
     beta: float = 0.04                    # KL to the untrained policy: keeps utterances well-formed
     epochs: int = 2
     sim_reward: str = "curriculum"
-    # The trained simulator's optimiser (Co-Training, Population Co-Training). The defaults
-    # are the toy's measured settings, not the paper's: the paper trains every model with a
-    # KL of 0.005 to its start, weight decay 0.1 and, reading its on-policy REINFORCE, one
-    # pass per batch (sim_beta=0.005, sim_weight_decay=0.1, sim_epochs=1). The sweep in
-    # ../shared/docs/COTRAIN_SWEEP.md found they do not change the outcome here; the
-    # defaults stay until the toy runs are re-measured.
-    sim_beta: float = 0.0                 # KL to the simulator's start (paper 0.005)
-    sim_weight_decay: float = 0.0         # AdamW weight decay (paper 0.1)
-    sim_epochs: int = 2                   # passes per batch (paper: 1)
+    # The trained simulator's optimiser (Co-Training, Population Co-Training): the paper's, which
+    # trains every model with a KL of 0.005 to its start and weight decay 0.1, one pass per batch
+    # (its on-policy REINFORCE). Its learning rate is the toy's own (LoRA on 64-wide models).
+    sim_beta: float = 0.005               # KL to the simulator's start
+    sim_weight_decay: float = 0.1         # AdamW weight decay
+    sim_epochs: int = 1                   # passes per batch
     # What Co-Training and Population Co-Training start from: "aligned" = the aligned simulator
     # model (toy_models: SFT'd on sharpened users, models.aligned_gamma), sampled at the
     # rollout temperature like the paper's; "sharpened" = a copy of sim-a sampled at 1/gamma
@@ -74,10 +71,13 @@ class ToyConfig:
     sim_baseline: str = "auto"            # group-wise, batch-wide for curriculum (methods.resolve_sim_baseline)
     pool_size: int = 5
     pool_every: int = 4                   # a snapshot (and a pool-diversity measurement) every k steps
-    # pool-diversity measurements every k steps instead (0: at every snapshot, as above). Fewer
-    # measurements cost less and leave training and every evaluation as they are; a
-    # Population's members are then profiled at a later step, on other random draws.
-    pool_measure_every: int = 0
+    pool_draw: str = "uniform"            # how groups draw from the pool: uniform (the paper) or
+                                          # hardest (the pool curator, simulators.Population)
+    # pool-diversity measurements every k steps and at the last one (0: at every snapshot, as
+    # above); the default is the evaluations' cadence. Fewer measurements cost less and leave
+    # training and every evaluation as they are; a Population's members are then profiled at a
+    # later step, on other random draws.
+    pool_measure_every: int = 10
     diversity_samples: int = 32           # replies per persona and history in pool_diversity
     vs_k: int = 5
     eval_every: int = 10
@@ -231,7 +231,8 @@ class Toy:
             "single" if name == "base" else name, self.policy(), frozen, pcfg, scfg,
             sim_model=sim_model, sim_tokenizer=self.tokenizer, sim_reward=sim_reward,
             vs_k=c.vs_k, pool_size=c.pool_size, pool_every=c.pool_every,
-            oracle=RealUsers(seed=seed), seed=seed, sim_baseline=sim_baseline, sim_temperature=sim_temperature)
+            oracle=RealUsers(seed=seed), seed=seed, sim_baseline=sim_baseline, sim_temperature=sim_temperature,
+            pool_draw="hardest" if "hardest" in tweaks else c.pool_draw)
         if "anchor" in tweaks and m.trains_simulator:
             m.anchor = self.anchor_batches(seed)
         return m

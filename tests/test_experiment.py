@@ -61,7 +61,7 @@ def test_evaluation_does_not_change_training(tmp_path, cache):
     rare = experiment.run(dataclasses.replace(cfg, pool_measure_every=2), tmp_path / "c", cache,
                           log=lambda *a: None, progress=False)
     assert [r for r in records(rare) if r["kind"] != "pool"] == [r for r in records(a) if r["kind"] != "pool"]
-    assert [r["step"] for r in records(rare) if r["kind"] == "pool"] == [0, 2]
+    assert [r["step"] for r in records(rare) if r["kind"] == "pool"] == [0, 2, cfg.steps - 1]   # and the last
 
 
 def test_final_checkpoint_reevaluates_to_the_logged_number(tmp_path, cache):
@@ -99,16 +99,17 @@ def test_cotraining_starts_from_the_aligned_model_at_the_rollout_temperature(cac
 
 
 def test_simulator_optimiser_knobs_reach_its_update(cache):
-    """sim_beta / sim_weight_decay / sim_epochs: today's values by default, the paper's on request."""
+    """sim_beta / sim_weight_decay / sim_epochs: the paper's by default, others on request."""
     import dataclasses
 
     cfg = tiny_config("toy", methods=("base",))
     default = experiment.Toy(cfg, cache, progress=False).method("cotrain", 0)
-    assert (default.sim_cfg.beta, default.sim_cfg.weight_decay, default.sim_cfg.epochs) == (0.0, 0.0, 2)
-    paper = dataclasses.replace(cfg, sim_beta=0.005, sim_weight_decay=0.1, sim_epochs=1)
-    m = experiment.Toy(paper, cache, progress=False).method("population", 0)
-    assert (m.sim_cfg.beta, m.sim_cfg.weight_decay, m.sim_cfg.epochs) == (0.005, 0.1, 1)
-    assert m.sim_opt.param_groups[0]["weight_decay"] == 0.1
+    assert (default.sim_cfg.beta, default.sim_cfg.weight_decay, default.sim_cfg.epochs) == (0.005, 0.1, 1)
+    assert default.sim_opt.param_groups[0]["weight_decay"] == 0.1
+    older = dataclasses.replace(cfg, sim_beta=0.0, sim_weight_decay=0.0, sim_epochs=2)
+    m = experiment.Toy(older, cache, progress=False).method("population", 0)
+    assert (m.sim_cfg.beta, m.sim_cfg.weight_decay, m.sim_cfg.epochs) == (0.0, 0.0, 2)
+    assert m.sim_opt.param_groups[0]["weight_decay"] == 0.0
     assert m.policy_cfg.beta == cfg.beta and m.policy_cfg.epochs == cfg.epochs   # the policy's: untouched
 
 

@@ -202,6 +202,38 @@ def test_population_pool_is_fifo_and_draws_uniformly(parts, tokenizer):
     assert pop.pool_nbytes() == 3 * sum(t.numel() * 4 for t in adapter_state(sim_model, "simulator").values())
 
 
+def test_pool_curator_draws_the_members_the_policy_does_worst_against(parts, tokenizer):
+    """draw="hardest": weight (1 - r)^2 + 0.01 from the rewards `observe` records; a member
+    not met yet counts as r = 0; the record survives state()/load_state() and follows FIFO."""
+    _, _, sim_model = parts
+    pop = Population(sim_model, tokenizer, size=3, every=1, seed=0, draw="hardest")
+    for step in (1, 2, 3):
+        pop.snapshot(step)
+    met = [Episode(task=None, group=g, reward=r) for g, r in enumerate((1.0, 0.5, 0.5))]
+    for ep, slot in zip(met, pop.slots):
+        ep.partner_name = slot
+    pop.observe(met[:2])                       # snapshot 3 not met yet
+    assert pop.scores == {1: 1.0, 2: 0.5}
+    assert pop.weights() == pytest.approx([0.01, 0.26, 1.01])
+    pop.observe([met[1]])                      # older groups count half
+    met[1].reward = 0.0
+    pop.observe([met[1]])
+    assert pop.scores[2] == pytest.approx(0.25)
+    eps = [Episode(task=None, group=g) for g in range(4000)]
+    pop.assign(eps)
+    counts = np.bincount([pop.slots.index(e.partner_name) for e in eps], minlength=3) / 4000
+    expect = np.array([0.01, 0.75 ** 2 + 0.01, 1.01]) / (0.01 + 0.75 ** 2 + 0.01 + 1.01)
+    assert np.all(np.abs(counts - expect) < 0.03), (counts, expect)
+    again = Population(sim_model, tokenizer, size=3, every=1, seed=5, draw="hardest")
+    again.load_state(pop.state())
+    assert again.scores == pop.scores and again.weights() == pop.weights()
+    pop.snapshot(4)                            # snapshot 1 leaves the pool, and its record with it
+    pop.observe([])
+    assert set(pop.scores) == {2} and pop.weights()[-1] == pytest.approx(1.01)
+    with pytest.raises(ValueError, match="pool draw"):
+        Population(sim_model, tokenizer, draw="worst")
+
+
 def test_cotraining_updates_both_adapters_and_nothing_else(parts, tokenizer):
     policy, frozen, sim_model = parts
     env = WordGame()
