@@ -16,7 +16,9 @@ when a signal crosses its threshold:
     zero_var         the share of zero-variance groups (mean of the last `window_steps`)
                      above `zero_var`: the simulator answers every rollout of a task alike
     mode_prob        the training simulator's mode probability (collapse meter) above
-                     `mode_prob`
+                     `mode_prob`, once training has begun: a reading before the first step
+                     describes the simulator, not what training does with it (an aligned
+                     simulator reads ~0.9 there), so it is logged and not alarmed on
 
 A fall counts only above the noise of the two evaluations it compares: it must exceed
 `fall_z` standard errors of their difference, z * sqrt(SE_first^2 + SE_last^2), read from the
@@ -96,7 +98,8 @@ class CollapseMonitor:
     def on_eval(self, rec: dict) -> list[dict]:
         c, out, step = self.cfg, [], rec["step"]
         mode = (rec.get("meter") or {}).get("mode_prob")
-        if mode is not None and np.isfinite(mode) and mode > c.mode_prob:
+        trained = bool(self.since_eval or self.evals)      # a train record came before
+        if trained and mode is not None and np.isfinite(mode) and mode > c.mode_prob:
             out += self._alarm("mode_prob", step, mode, f"simulator mode probability {mode:.2f} > {c.mode_prob:g}")
         if self.since_eval:                     # evaluations with training behind them
             self.evals.append((float(np.mean(self.since_eval)), _score(rec, self.panel_key),
@@ -183,6 +186,66 @@ def relog(records, cfg: MonitorConfig, **kw) -> list[dict]:
     return out
 
 
+def extremes(records, cfg: MonitorConfig) -> dict:
+    """How far one arm's log went on the three threshold signals: the highest share of
+    zero-variance groups and the lowest entropy fraction of its start (means of `window_steps`
+    steps, as the monitor reads them), and the highest mode probability after training began."""
+    recent, start, out = deque(maxlen=cfg.window_steps), None, {"zero_var": [], "entropy_frac": [], "mode_prob": []}
+    trained = False
+    for r in records:
+        if r.get("kind") == "train" and r.get("policy_entropy") is not None and r.get("zero_var_frac") is not None:
+            trained = True
+            recent.append((r["policy_entropy"], r["zero_var_frac"]))
+            if len(recent) == cfg.window_steps:
+                ent, zv = (float(np.mean(x)) for x in zip(*recent))
+                start = ent if start is None else start
+                out["zero_var"].append(zv)
+                out["entropy_frac"].append(ent / start if start > 0 else 1.0)
+        elif r.get("kind") == "eval" and trained and (r.get("meter") or {}).get("mode_prob") is not None:
+            out["mode_prob"].append(r["meter"]["mode_prob"])
+    pick = {"zero_var": max, "entropy_frac": min, "mode_prob": max}
+    return {k: pick[k](v) if v else None for k, v in out.items()}
+
+
+def derive_thresholds(logs: dict, healthy, cfg: MonitorConfig, step: float = 0.05) -> MonitorConfig:
+    """Thresholds under which none of the `healthy` arms (names of `logs`: arm -> records)
+    would have raised the three threshold alarms: each set one `step` (0.05) past the
+    furthest any healthy arm went (zero_var and mode_prob above its highest reading,
+    entropy_frac below its lowest). Choose them on a run whose seeds you then do not report;
+    the divergence alarms need no such choice (their threshold is the evaluations' noise)."""
+    import math
+
+    seen = [extremes(logs[a], cfg) for a in healthy]
+
+    def furthest(key, pick):
+        vals = [e[key] for e in seen if e[key] is not None]
+        return pick(vals) if vals else None
+    zv, ent, mode = furthest("zero_var", max), furthest("entropy_frac", min), furthest("mode_prob", max)
+    from dataclasses import replace
+
+    out = cfg
+    if zv is not None:      # strictly past the furthest healthy reading
+        out = replace(out, zero_var=round(min(1.0, math.floor(zv / step + 1 + 1e-9) * step), 4))
+    if mode is not None:
+        out = replace(out, mode_prob=round(min(1.0, math.floor(mode / step + 1 + 1e-9) * step), 4))
+    if ent is not None:
+        out = replace(out, entropy_frac=round(max(0.0, math.ceil(ent / step - 1 - 1e-9) * step), 4))
+    return out
+
+
+def healthy_arms(logs: dict) -> list[str]:
+    """The arms (of a toy run's logs, arm -> records) whose last real-user evaluation ends
+    above the untrained policy's (the mean of its "base" arms): what the monitor must not flag."""
+    def final(records):
+        evals = [r for r in records if r.get("kind") == "eval" and r.get("real_users") is not None]
+        return evals[-1]["real_users"] if evals else None
+    base = [final(r) for a, r in logs.items() if a.partition("-s")[0] == "base" and final(r) is not None]
+    if not base:
+        raise ValueError("no 'base' arm with an evaluation: nothing to call healthy against")
+    level = float(np.mean(base))
+    return [a for a, r in logs.items() if a.partition("-s")[0] != "base" and (final(r) or -1) > level]
+
+
 def main(argv=None):
     """python -m minscope.monitor RUN_DIR [--set KEY=VALUE ...] [--write]: the alarms of a toy
     run's arms under other thresholds (to choose them from a run's own curves); --write also
@@ -199,17 +262,28 @@ def main(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a threshold, e.g. entropy_frac=0.3 (keys: " + ", ".join(f.name for f in fields(MonitorConfig)) + ")")
     p.add_argument("--write", action="store_true", help="rewrite the run's alarm records and config.json")
+    p.add_argument("--derive", action="store_true",
+                   help="thresholds from this run: one 0.05 step past the furthest reading of every arm that "
+                        "ends above the untrained policy (derive_thresholds); then --set, and the alarms under them")
     args = p.parse_args(argv)
     config = read_json(args.run_dir / "config.json")
     cfg = MonitorConfig(**config.get("monitor", {}))
+    logs = sorted((args.run_dir / "arms").glob("*.jsonl"))
+    if not logs:
+        p.error(f"{args.run_dir} has no arms/*.jsonl: is it a toy run?")
+    if args.derive:
+        records = {log.stem: read_jsonl(log) for log in logs}
+        try:
+            healthy = healthy_arms(records)
+        except ValueError as e:
+            p.error(f"--derive: {e}")
+        cfg = derive_thresholds(records, healthy, cfg)
+        print(f"healthy arms (final real-user reward above the untrained policy's): {', '.join(healthy) or 'none'}")
     for item in args.set:
         key, _, value = item.partition("=")
         if key not in {f.name for f in fields(MonitorConfig)}:
             p.error(f"--set {item}: unknown threshold {key!r}")
         cfg = replace(cfg, **{key: type(getattr(cfg, key))(value)})
-    logs = sorted((args.run_dir / "arms").glob("*.jsonl"))
-    if not logs:
-        p.error(f"{args.run_dir} has no arms/*.jsonl: is it a toy run?")
     print(f"thresholds: {cfg}\n{'arm':28s} first step of each signal")
     for log in logs:
         records = relog(read_jsonl(log), cfg)

@@ -76,6 +76,34 @@ def test_thresholds_are_settings():
                                                                                                 "divergence_real"}
 
 
+def test_a_collapsed_simulator_before_training_is_logged_not_alarmed():
+    """An aligned simulator reads ~0.9 before the first step (the toy's sim-a: 0.90-0.92); the
+    untrained "base" arm has no training at all; the alarm waits for a reading after training."""
+    before = [evaluation(0, 0.5, 0.4, mode=0.95)]
+    assert run(before)[1] == []
+    after = before + [train(0), train(1), evaluation(2, 0.5, 0.4, mode=0.95)]
+    assert [(a["signal"], a["step"]) for a in run(after)[1]] == [("mode_prob", 2)]
+
+
+def test_thresholds_derived_from_the_arms_that_end_above_the_untrained_policy():
+    from minscope.monitor import derive_thresholds, healthy_arms
+
+    def arm(final_real, zero_var, entropy, mode):
+        recs = [evaluation(0, 0.5, 0.3, mode=0.99)]           # before training: not a reading
+        for s in range(10):
+            recs.append(train(s, entropy=entropy if s >= 5 else 1.0, zero_var=zero_var if s >= 5 else 0.0))
+        return recs + [evaluation(10, 0.5, final_real, mode=mode)]
+    logs = {"base-s0": [evaluation(0, 0.5, 0.3)], "vs-s0": arm(0.45, 0.32, 0.23, 0.76),
+            "oracle-s0": arm(0.6, 0.1, 0.5, 0.6), "single-s0": arm(0.2, 0.9, 0.9, 0.97)}
+    assert healthy_arms(logs) == ["vs-s0", "oracle-s0"]
+    # vs's window means: zero_var up to 0.32, entropy down to 0.23 of its start, mode 0.76
+    cfg = derive_thresholds(logs, healthy_arms(logs), MonitorConfig())
+    assert (cfg.zero_var, cfg.entropy_frac, cfg.mode_prob) == (0.35, 0.2, 0.8)
+    assert cfg.fall_z == MonitorConfig().fall_z                   # the noise-based ones untouched
+    with pytest.raises(ValueError, match="base"):
+        healthy_arms({"vs-s0": logs["vs-s0"]})
+
+
 def test_a_resumed_monitor_replays_its_log_and_does_not_repeat_alarms():
     recs = collapsing_run()
     cut = 25
