@@ -26,7 +26,8 @@ from .trainer import UpdateConfig
 
 TOY_METHODS = ("base", "single", "vs", "ensemble", "cotrain", "population", "oracle")
 # what may follow the colon of an ablation arm, joined by "+" (see Toy.method)
-TOY_VARIANTS = ("adversarial", "cooperative", "curriculum", "anchor", "hardest", "group", "batch", "g<gamma>")
+TOY_VARIANTS = ("adversarial", "cooperative", "curriculum", "anchor", "hardest", "uniform", "group", "batch",
+                "g<gamma>")
 
 
 def is_toy_variant(tweak: str) -> bool:
@@ -232,7 +233,7 @@ class Toy:
             sim_model=sim_model, sim_tokenizer=self.tokenizer, sim_reward=sim_reward,
             vs_k=c.vs_k, pool_size=c.pool_size, pool_every=c.pool_every,
             oracle=RealUsers(seed=seed), seed=seed, sim_baseline=sim_baseline, sim_temperature=sim_temperature,
-            pool_draw="hardest" if "hardest" in tweaks else c.pool_draw)
+            pool_draw=next((t for t in tweaks if t in ("hardest", "uniform")), c.pool_draw))
         if "anchor" in tweaks and m.trains_simulator:
             m.anchor = self.anchor_batches(seed)
         return m
