@@ -42,6 +42,17 @@ def test_interrupted_run_resumes_to_the_same_numbers(tmp_path, cache, methods, a
         experiment.run(cfg, tmp_path / "b", cache, log=lambda *a: None, progress=False, stop_after=2)
     resumed = experiment.run(cfg, tmp_path / "b", cache, resume=True, log=lambda *a: None, progress=False)
     assert records(resumed) == records(straight)
+    # the compute totals (minscope/compute.py) continue across the interruption: every record's
+    # total is the steps' compute so far, from the saved state, not from 0 at the resumed step
+    from minscope import compute
+
+    for method, _ in cfg.arms():
+        total = compute.totals()
+        for r in (r for r in records(resumed) if r["method"] == method and r["kind"] in ("train", "eval")):
+            if r["kind"] == "train":
+                total = compute.add(total, r["compute"])
+            assert r["compute_total"] == total
+        assert (total["flops"] > 0) == (method != "base")
 
 
 def test_evaluation_does_not_change_training(tmp_path, cache):
