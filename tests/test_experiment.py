@@ -153,6 +153,12 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
     assert (run_dir / "curves.png").stat().st_size > 1000
     md = (run_dir / "report.md").read_text()
     assert "Verbalized Sampling" in md
+    # training compute: per arm in results.json and report.md (ratio to RL (Single)), and plotted
+    assert (run_dir / "compute.png").stat().st_size > 1000
+    comp = {m: saved["methods"][m]["compute"] for m in ("base", "single", "vs")}
+    assert comp["single"]["vs_single"] == 1.0 and comp["base"]["flops"] == 0
+    assert comp["vs"]["sim_decoded"] > comp["single"]["sim_decoded"]        # k candidates per simulator turn
+    assert "## Training compute" in md and "![compute.png](compute.png)" in md
     # ten SFT steps do not make faithful simulators: the run and the report say so
     assert any(line.startswith("warning: the fidelity check fails") for line in logged)
     assert "**The fidelity check fails**" in md
