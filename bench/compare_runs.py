@@ -4,6 +4,10 @@ every arm kind, before and after, must log the same numbers (bit for bit).
     cd OLD_CHECKOUT && python /path/to/bench/compare_runs.py run /tmp/before --cache-dir C
     cd NEW_CHECKOUT && python bench/compare_runs.py run /tmp/after --cache-dir C
     python bench/compare_runs.py diff /tmp/before/check /tmp/after/check
+    python bench/compare_runs.py diff /tmp/before/check /tmp/after/check --ignore compute,compute_total
+
+`--ignore KEYS`: records' top-level fields left out of the comparison (fields that only the new
+code logs, e.g. the compute counts: everything else must still be identical).
 
 `run` imports minscope from the current directory (so the same script runs old code).
 `diff` compares every arm's records (metrics.jsonl) field by field, wall-time fields aside,
@@ -53,7 +57,7 @@ def flat(x, prefix=""):
         yield prefix, x
 
 
-def diff(a: Path, b: Path) -> int:
+def diff(a: Path, b: Path, ignore=()) -> int:
     def load(d):
         recs = defaultdict(list)
         for line in (d / "metrics.jsonl").read_text().splitlines():
@@ -67,8 +71,9 @@ def diff(a: Path, b: Path) -> int:
         problems = [] if len(xa) == len(xb) else [f"{len(xa)} vs {len(xb)} records"]
         worst = 0.0
         for i, (p, q) in enumerate(zip(xa, xb)):
-            fp = {k: v for k, v in flat(p) if k.split(".")[-1] not in TIMING}
-            fq = {k: v for k, v in flat(q) if k.split(".")[-1] not in TIMING}
+            keep = lambda k: k.split(".")[-1] not in TIMING and k.split(".")[0].split("[")[0] not in ignore  # noqa: E731
+            fp = {k: v for k, v in flat(p) if keep(k)}
+            fq = {k: v for k, v in flat(q) if keep(k)}
             for k in sorted(set(fp) | set(fq)):
                 u, v = fp.get(k), fq.get(k)
                 if u == v or (isinstance(u, float) and isinstance(v, float) and math.isnan(u) and math.isnan(v)):
@@ -98,11 +103,12 @@ def main():
     d = sub.add_parser("diff")
     d.add_argument("a", type=Path)
     d.add_argument("b", type=Path)
+    d.add_argument("--ignore", default="", help="comma-separated top-level record fields not compared")
     args = p.parse_args()
     if args.cmd == "run":
         run(args.out, args.cache_dir, args.workers, args.methods.split(","), [a for a in args.ablations.split(",") if a])
     else:
-        sys.exit(1 if diff(args.a, args.b) else 0)
+        sys.exit(1 if diff(args.a, args.b, set(filter(None, args.ignore.split(",")))) else 0)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import runfolder
+from . import compute, runfolder
 from .armpool import default_workers, run_pool, threads_per_worker
 from .diversity import member_profile, pool_diversity
 from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
@@ -123,12 +123,13 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
     random.seed(seed)
     np.random.seed(seed)
     m = toy.method(method, seed)
-    start, best, profiles = 0, {"panel": -1.0}, {}
+    start, best, profiles, spent = 0, {"panel": -1.0}, {}, compute.totals()   # spent: training compute so far
     monitor = CollapseMonitor(c.monitor)
     if state_path.exists():
         state = load_state(state_path)
         load_arm_state(m, state)
         start, best, profiles = state["step"] + 1, state.get("best", best), state.get("profiles", {})
+        spent = compute.totals(state.get("compute"))
         if state.get("finished"):
             return
         if hasattr(write, "path"):              # the monitor's state is a function of the log
@@ -150,6 +151,7 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
                 # seed, which only matters with eval_every = 1)
                 with isolated_rng(eval_seed(seed, step) + 1, partner):
                     rec["meter"] = collapse_meter(toy.env, m.policy, partner, tasks, n_ref=2, n_resample=4, n_mode=6)
+            rec["compute_total"] = spent          # the training compute behind this policy
             emit(rec)
             if rec["panel"] > best["panel"]:
                 best = {"panel": rec["panel"], "step": step, "real_users": rec["real_users"]}
@@ -161,17 +163,20 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
         t0 = time.time()
         metrics = train_step(m, toy.env, batch, c.group_size, step)
         episodes = metrics.pop("_episodes")
+        spent = compute.add(spent, metrics["compute"])
         metrics.update(kind="train", method=method, seed=seed, seconds=time.time() - t0,
-                       invalid_acts=float(np.mean([e.info.get("n_invalid", 0) for e in episodes])))
+                       invalid_acts=float(np.mean([e.info.get("n_invalid", 0) for e in episodes])),
+                       compute_total=spent)
         emit(metrics)
         if m.trains_simulator and (step % (c.pool_measure_every or c.pool_every) == 0 or step == steps - 1):
             with isolated_rng(eval_seed(seed, step) + 2, m.partner):
                 write({"kind": "pool", "method": method, "seed": seed, "step": step,
                        **measure_pool(toy, m, step, profiles)})
-        save_atomic(arm_state(m, step, {"best": best, "profiles": profiles}), state_path)
+        save_atomic(arm_state(m, step, {"best": best, "profiles": profiles, "compute": spent}), state_path)
         if stop_after is not None and step + 1 >= stop_after:
             raise KeyboardInterrupt   # used by tests to simulate an interruption
-    save_atomic({**arm_state(m, steps, {"best": best, "profiles": profiles}), "finished": True}, state_path)
+    save_atomic({**arm_state(m, steps, {"best": best, "profiles": profiles, "compute": spent}), "finished": True},
+                state_path)
 
 
 def measure_pool(toy: Toy, m: Method, step: int, profiles: dict) -> dict:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compute import step_compute
 from .envs.base import Episode
 from .grpo import group_advantages, simulator_rewards
 from .rollout import LMSpeaker, rollout
@@ -53,6 +54,7 @@ class Method:
     anchor: object = None
     anchor_weight: float = 0.5
     anchor_skipped: int = 0           # anchor steps not applied: non-finite loss or gradient
+    anchor_tokens: tuple = (0, 0)     # the last anchor batch's (real, trained) tokens (minscope/compute.py)
 
     @property
     def trains_simulator(self) -> bool:
@@ -170,6 +172,7 @@ def anchor_step(m: Method) -> float:
 
     model, adapter = m.partner.model, m.partner.trainable_adapter
     ids, attn, mask = (t.to(next(model.parameters()).device) for t in m.anchor())
+    m.anchor_tokens = (int(attn.sum().item()), int(mask[:, 1:].sum().item()))
     params = trainable_parameters(model, adapter)   # as in grpo_update: only this adapter
     model.train()
     m.sim_opt.zero_grad(set_to_none=True)
@@ -235,6 +238,7 @@ def train_step(method: Method, env, tasks, group_size: int, step: int, first_gro
         train_adv = torch.cat([adv, selfplay_partner_advantages(rewards, group_size, env)])
     p = grpo_update(m.policy.model, m.policy.adapter, m.policy_opt, train_eps, "agent", train_adv,
                     m.policy_cfg, pad)
+    s = None
     metrics = {"step": step, "train_reward": rewards.mean().item(),
                "zero_var_frac": zero_var.float().mean().item(), "policy_entropy": p["entropy"],
                "clip_frac": p["clip_frac"], "kl": p["kl"], "policy_loss": p["loss"],
@@ -261,5 +265,6 @@ def train_step(method: Method, env, tasks, group_size: int, step: int, first_gro
     if isinstance(m.partner, Verbalized):
         metrics.update({f"vs_{k}": v for k, v in m.partner.stats.as_dict().items()})
     metrics["served_by"] = dict(Counter(ep.partner_name for ep in episodes[::group_size]))
+    metrics["compute"] = step_compute(m, episodes, p, s)     # this step's tokens and FLOPs
     metrics["_episodes"] = episodes       # for transcripts; dropped before logging
     return metrics

@@ -98,8 +98,26 @@ def summarize(records, reference: dict) -> dict:
         pools = {seed: d["pool"] for seed, d in seeds.items() if d["pool"]}
         if pools:
             res["pool_diversity"] = pool_summary(pools)
+        if all("compute_total" in e[-1] for e in evals):
+            res["compute"] = compute_summary([e[-1]["compute_total"] for e in evals])
         results["methods"][method] = res
+    single = results["methods"].get("single", {}).get("compute", {}).get("flops")
+    for r in results["methods"].values():
+        if "compute" in r:
+            r["compute"]["vs_single"] = r["compute"]["flops"] / single if single else None
     return results
+
+
+def compute_summary(totals: list[dict]) -> dict:
+    """An arm's training compute (minscope/compute.py), mean over seeds: FLOPs (rollout and
+    update), tokens generated (decoded; prefilled) and trained, per side."""
+    mean = lambda key: float(np.mean([t.get(key, 0) for t in totals]))     # noqa: E731
+    out = {"flops": mean("flops"), "flops_per_seed": [t.get("flops", 0) for t in totals],
+           "rollout_flops": mean("rollout_flops"), "update_flops": mean("update_flops")}
+    for side in ("policy", "sim"):
+        for kind in ("decoded", "prefilled", "trained", "backprop"):
+            out[f"{side}_{kind}"] = mean(f"{side}_{kind}")
+    return out
 
 
 POOL_KEYS = ("pairwise_tv", "pairwise_floor", "pairwise_tv_excess", "tv_sim_a", "tv_real", "exploit_value",
@@ -182,6 +200,8 @@ def plots(records, out_dir: Path) -> list[str]:
         fig.savefig(out_dir / "collapse_meter.png", dpi=110)
         plt.close(fig)
         names.append("collapse_meter.png")
+    if compute_plot(data, out_dir, colors):
+        names.append("compute.png")
     pools = {m: seeds for m, seeds in collect(records).items() if any(d["pool"] for d in seeds.values())}
     if pools:
         fig, axes = plt.subplots(1, 3, figsize=(15, 4))
@@ -207,6 +227,70 @@ def plots(records, out_dir: Path) -> list[str]:
         plt.close(fig)
         names.append("pool_diversity.png")
     return names
+
+
+def compute_plot(data: dict, out_dir: Path, colors: dict) -> bool:
+    """compute.png: real-user reward against cumulative training compute, mean over seeds at
+    each evaluation (the untrained policy: a dotted line). False when the log has no compute."""
+    import matplotlib.pyplot as plt
+
+    curves = {}
+    for method, seeds in data.items():
+        series = [d["eval"] for d in seeds.values() if d["eval"]]
+        if not series or not all("compute_total" in r for s in series for r in s):
+            continue
+        n = min(len(s) for s in series)
+        curves[method] = ([np.mean([s[i]["compute_total"]["flops"] for s in series]) for i in range(n)],
+                          [np.mean([s[i]["real_users"] for s in series]) for i in range(n)])
+    top = max((max(x) for x, _ in curves.values()), default=0)
+    if not top:
+        return False
+    scale, prefix = next((v, p) for v, p in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1, "")) if top >= v)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, (x, y) in curves.items():
+        if max(x) > 0:
+            ax.plot(np.array(x) / scale, y, "o-", label=label(method), color=colors[method])
+        else:                                    # evaluated only (base): no training compute
+            ax.axhline(y[-1], ls=":", color=colors[method], label=label(method))
+    ax.set_xlabel(f"cumulative training compute ({prefix}FLOP: rollouts + updates, minscope/compute.py)")
+    ax.set_ylabel("real-user reward (mean over seeds)")
+    ax.set_title("held-out reward against training compute")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "compute.png", dpi=110)
+    plt.close(fig)
+    return True
+
+
+def si(x: float, unit: str = "") -> str:
+    """12345678 -> '12.3 M' (x 1e3 steps, 3 significant digits)."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}".rstrip()
+
+
+def compute_md(results) -> list[str]:
+    """The training compute table: per arm, FLOPs, tokens, and the ratio to RL (Single)."""
+    rows = {m: r["compute"] for m, r in results["methods"].items() if r.get("compute", {}).get("flops")}
+    if not rows:
+        return []
+    lines = ["## Training compute (per arm; minscope/compute.py)", "",
+             "Each arm's training steps: rollout tokens decoded and prefilled (fed to the model before "
+             "sampling, KV-cached ids excluded) by the policy and the simulator, tokens trained (loss tokens, "
+             "every epoch's pass and the realism anchor counted), and FLOPs estimated as 2N per token forward "
+             "(rollouts, the KL reference pass) and 6N per token fed through each training pass (N: the model "
+             "with its one LoRA adapter). Evaluations and measurements are not counted. Means over seeds; "
+             "plotted against the real-user reward in compute.png.", "",
+             "| method | FLOPs | × RL (Single) | rollout share | decoded, policy / simulator | "
+             "prefilled, policy / simulator | trained, policy / simulator |", "|---|---|---|---|---|---|---|"]
+    for m, c in rows.items():
+        ratio = "–" if c.get("vs_single") is None else f"{c['vs_single']:.2f}"
+        lines.append(f"| {label(m)} | {si(c['flops'], 'FLOP')} | {ratio} | {c['rollout_flops'] / c['flops']:.0%} | "
+                     f"{si(c['policy_decoded'])} / {si(c['sim_decoded'])} | "
+                     f"{si(c['policy_prefilled'])} / {si(c['sim_prefilled'])} | "
+                     f"{si(c['policy_trained'])} / {si(c['sim_trained'])} |")
+    return lines + [""]
 
 
 def fmt(x, nd=3):
@@ -309,7 +393,7 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
         lines += [f"| {label(m)} | {fmt(v['sim_side_var'])} | {fmt(v['agent_side_var'])} | {fmt(v['mode_prob'], 2)} |"
                   for m, v in meters.items()]
         lines.append("")
-    lines += monitor_md(results) + pool_md(results)
+    lines += compute_md(results) + monitor_md(results) + pool_md(results)
     lines += [f"![{n}]({n})" for n in images] + [""]
     fid_path = run_dir / "fidelity.json"
     if fid_path.exists():

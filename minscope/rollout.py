@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .chat import chat_format, strip_reasoning
+from .compute import parameter_count
 from .envs.base import Episode, Turn, turn_noise
 from .kvcache import KVCache, party_cache, session
 from .lean import lean_forward
@@ -396,7 +397,8 @@ class LMSpeaker:
     def _sample(self, episodes: list[Episode], prompts: list[list[int]]):
         """One turn of every episode in one batch. Inside a rollout the speaker keeps its KV
         cache between its turns and feeds only each stream's new suffix (`reuse_cache`);
-        ep.info["tokens"][role] counts the ids fed ("prefilled") and sampled ("generated")."""
+        ep.info["tokens"][role] counts the ids fed ("prefilled") and sampled ("generated"), and
+        holds the N of the model that did it (minscope/compute.py)."""
         cache = party_cache(self) if self.reuse_cache else KVCache()
         cache.discard(lambda ep: ep.done)           # ended episodes leave the cache
         names = [self.adapter_of(ep) for ep in episodes]
@@ -413,10 +415,11 @@ class LMSpeaker:
         else:   # a population: one batch, one adapter per row ("__base__" = no adapter);
             # a row's adapter is fixed for its episode, so its cached keys/values stay valid
             ids, logps = sample(self.model, prompts, adapter_names=[n or "__base__" for n in names], **kwargs)
-        for ep, fed, gen in zip(episodes, cache.last_prefilled, ids):
+        for ep, name, fed, gen in zip(episodes, names, cache.last_prefilled, ids):
             count = ep.info.setdefault("tokens", {}).setdefault(self.role, {"prefilled": 0, "generated": 0})
             count["prefilled"] += fed
             count["generated"] += len(gen)
+            count["params"] = parameter_count(self.model, name)     # N, for the FLOPs estimate
         return ids, logps
 
     def respond(self, episodes: list[Episode], env) -> list[Turn]:

@@ -131,6 +131,9 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     if applied:
         sums = {k: v / applied for k, v in sums.items()}
     sums["tokens"] = int(n_tok.item())
+    # this process's batch, per pass (the compute estimate, minscope/compute.py): the real
+    # tokens each epoch feeds forward and back, and the trained ones among them
+    sums["tokens_fed"], sums["tokens_trained"] = int(attn.sum().item()), int(mask.sum().item())
     sums["skipped_steps"] = skipped
     return sums
 

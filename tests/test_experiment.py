@@ -42,6 +42,17 @@ def test_interrupted_run_resumes_to_the_same_numbers(tmp_path, cache, methods, a
         experiment.run(cfg, tmp_path / "b", cache, log=lambda *a: None, progress=False, stop_after=2)
     resumed = experiment.run(cfg, tmp_path / "b", cache, resume=True, log=lambda *a: None, progress=False)
     assert records(resumed) == records(straight)
+    # the compute totals (minscope/compute.py) continue across the interruption: every record's
+    # total is the steps' compute so far, from the saved state, not from 0 at the resumed step
+    from minscope import compute
+
+    for method, _ in cfg.arms():
+        total = compute.totals()
+        for r in (r for r in records(resumed) if r["method"] == method and r["kind"] in ("train", "eval")):
+            if r["kind"] == "train":
+                total = compute.add(total, r["compute"])
+            assert r["compute_total"] == total
+        assert (total["flops"] > 0) == (method != "base")
 
 
 def test_evaluation_does_not_change_training(tmp_path, cache):
@@ -143,6 +154,12 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
     assert (run_dir / "curves.png").stat().st_size > 1000
     md = (run_dir / "report.md").read_text()
     assert "Verbalized Sampling" in md
+    # training compute: per arm in results.json and report.md (ratio to RL (Single)), and plotted
+    assert (run_dir / "compute.png").stat().st_size > 1000
+    comp = {m: saved["methods"][m]["compute"] for m in ("base", "single", "vs")}
+    assert comp["single"]["vs_single"] == 1.0 and comp["base"]["flops"] == 0
+    assert comp["vs"]["sim_decoded"] > comp["single"]["sim_decoded"]        # k candidates per simulator turn
+    assert "## Training compute" in md and "![compute.png](compute.png)" in md
     # ten SFT steps do not make faithful simulators: the run and the report say so
     assert any(line.startswith("warning: the fidelity check fails") for line in logged)
     assert "**The fidelity check fails**" in md
