@@ -81,11 +81,14 @@ def build_parser():
     p.add_argument("--methods", help="toy: comma-separated arms (default: all). Choices: "
                    "base,single,vs,ensemble,cotrain,population,oracle")
     p.add_argument("--ablations", help="toy: comma-separated Co-Training variants run with seed 0 "
-                   "(default: cotrain:adversarial,cotrain:anchor,population:anchor; "
+                   "(default: cotrain:curriculum,population:curriculum,population:hardest; "
                    "none when --methods is given; 'none' for none). Variants after the colon: "
-                   "adversarial|cooperative|curriculum (simulator reward), anchor (realism anchor: "
-                   "BC on real transcripts), group|batch (simulator baseline; default group-wise, "
-                   "batch-wide for curriculum, which group refuses), joined by '+'")
+                   "adversarial|cooperative|curriculum (simulator reward; default adversarial), "
+                   "anchor (realism anchor: BC on real transcripts), hardest|uniform (how Population "
+                   "Co-Training draws from its pool: the pool curator, or the paper's uniform draw, "
+                   "the default), group|batch (simulator baseline; default group-wise, "
+                   "batch-wide for curriculum, which group refuses), g<gamma> (the aligned model "
+                   "the simulator starts from), joined by '+'")
     p.add_argument("--seeds", help="toy: comma-separated seeds (default: 0,1,2)")
     p.add_argument("--steps", type=whole(0), help="policy updates per arm")
     p.add_argument("--workers", type=whole(1), help="toy: arms trained in parallel processes (default: "

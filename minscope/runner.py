@@ -436,7 +436,7 @@ def build_real_method(args, env, personas):
                           UpdateConfig(lr=args.sim_lr, **ucfg),
                           sim_model=models.sim_model if args.method in TRAINS_SIMULATOR else None,
                           sim_tokenizer=models.sim_tokenizer, sim_reward=env.default_simulator_reward,
-                          personas=personas)
+                          personas=personas, pool_draw=getattr(args, "pool_draw", None) or "uniform")
     if not getattr(args, "no_grad_checkpointing", False):   # the trained bases recompute activations
         for model in _trained_models(models, method):
             enable_checkpointing(model.get_base_model())

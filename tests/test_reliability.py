@@ -277,7 +277,7 @@ def fails_with(capsys, argv, message, cli=train_cli):
     (["--methods", "foo"], "unknown arm(s) foo"),
     (["--methods", "single,"], "an empty entry"),
     (["--ablations", "cotrain:sideways"], "cannot read 'cotrain:sideways'"),
-    (["--ablations", "cotrain:group"], "zero advantages"),   # curriculum (the default) + group-wise
+    (["--ablations", "cotrain:curriculum+group"], "zero advantages"),   # curriculum + group-wise
     (["--seeds", "a"], "--seeds 'a': give whole numbers"),
     (["--seeds", "0,0"], "a seed is repeated"),
     (["--steps", "-1"], "argument --steps: must be 0 or more, not -1"),
