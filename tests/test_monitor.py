@@ -19,7 +19,7 @@ def evaluation(step, panel, real=None, mode=None):
 
 
 # the thresholds these synthetic curves are written for (the defaults were chosen on the toy's)
-SYNTH = MonitorConfig(entropy_frac=0.5, zero_var=0.5)
+SYNTH = MonitorConfig(entropy_frac=0.5, zero_var=0.5, mode_prob=0.9)
 
 
 def run(records, cfg=SYNTH):
