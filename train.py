@@ -65,7 +65,7 @@ REAL_DEFAULTS = dict(method="single", domain="retail", panel="", groups=16, grou
 REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "panel", "load_in_4bit",
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
              "no_grad_checkpointing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
-             "unsafe_no_sandbox")
+             "unsafe_no_sandbox", "max_turns")
 TOY_ONLY = ("quick", "methods", "ablations", "seeds", "workers", "cache_dir")
 
 
@@ -107,6 +107,10 @@ def build_parser():
     p.add_argument("--subset", help="cooperbench: an official subset file (subsets/*.json) choosing the training pairs")
     p.add_argument("--test-subset", help="cooperbench: a subset file of held-out pairs for evaluation "
                    "(default: none, so the training pairs are evaluated, with a warning)")
+    p.add_argument("--max-turns", type=whole(1), metavar="N", help="p4g, tau2: generated turns per episode, "
+                   "both parties together (p4g default 10: 5 persuader, 5 persuadee; tau2 default 30; tool "
+                   "results do not count). p4g needs an even N, so that the persuadee, whose last stated "
+                   "amount is the reward, has the last word; fewer turns make a step cheaper")
     p.add_argument("--coder-turns", type=whole(1), help="cooperbench: model turns per coder (default 50)")
     p.add_argument("--bash", action="store_true", help="cooperbench: also give the coders a bash tool "
                    "(run in the same sandbox as their tests)")
@@ -211,6 +215,13 @@ def check_real_args(p, args):
 
     if args.method is not None and args.method not in REAL_METHODS:
         p.error(f"--method {args.method!r}: choose one of {', '.join(REAL_METHODS)}")
+    if args.max_turns is not None:
+        if args.env not in ("p4g", "tau2"):
+            other = " (cooperbench: --coder-turns)" if args.env == "cooperbench" else ""
+            p.error(f"--max-turns is for --env p4g|tau2, not --env {args.env}{other}")
+        if args.env == "p4g" and args.max_turns % 2:
+            p.error(f"--max-turns {args.max_turns}: P4G needs an even number (the persuader opens and "
+                    "the persuadee answers each message; its last stated amount is the reward)")
 
 
 def check_resume(p, args):

@@ -85,14 +85,14 @@ def make_env(args):
             raise SystemExit("--env p4g needs --data PATH (the Persuasion for Good CSV release "
                              "or a ConvoKit corpus folder)")
         try:
-            return P4GEnv(args.data)
+            return P4GEnv(args.data, max_turns=getattr(args, "max_turns", None) or 10)
         except (FileNotFoundError, DataError) as e:   # missing data (and where to get it), or damaged
             raise SystemExit(f"error: {e}") from None
     if args.env == "tau2":
         from .envs.tau2 import Tau2Env
 
         try:
-            return Tau2Env(args.domain)
+            return Tau2Env(args.domain, max_turns=getattr(args, "max_turns", None) or 30)
         except (ImportError, ValueError) as e:   # tau2 not installed, or an unknown domain
             raise SystemExit(f"error: {e}") from None
     if args.env == "cooperbench":

@@ -334,6 +334,21 @@ def test_score_without_a_stated_donation_is_zero():
     assert reward == 0.0 and info["donation"] == 0.0 and not info["donation_stated"]
 
 
+def test_step_metrics_say_what_the_reward_parser_saw():
+    env = P4GEnv(CSV)
+    eps = [episode(("agent", "Would you give $1?"), ("partner", "Sure, I'll give $1."),
+                   ("agent", "Thanks!"), ("partner", "[DONATE $0.50] after all")),
+           episode(("agent", "Hi."), ("partner", "No, I won't donate."),
+                   ("agent", "Okay."), ("partner", "Bye.")),
+           episode(("agent", "Hi."), ("partner", "Hello."), ("agent", "Bye."), ("partner", "Bye."))]
+    for ep in eps:
+        ep.info.update(env.score(ep)[1])
+    m = env.step_metrics(eps)
+    assert m["donation_rate"] == pytest.approx(1 / 3) and m["donation_stated"] == pytest.approx(2 / 3)
+    assert m["donation_mean"] == pytest.approx(0.5 / 3)
+    assert m["tagged_turns"] == pytest.approx(1 / 6) and m["stated_turns"] == pytest.approx(3 / 6)
+
+
 def test_simulator_reward_defaults_to_adversarial():
     assert P4GEnv(CSV).default_simulator_reward == "adversarial"
 

@@ -112,6 +112,15 @@ def test_saved_config_makes_model_and_data_paths_absolute(single_run):
     assert config["method"] == "single" and config["steps"] == 1
 
 
+def test_max_turns_shortens_every_episode_of_training_and_of_eval(tmp_path, model_dirs):
+    run_dir = train(tmp_path, model_dirs, "single", "--max-turns", "2")
+    assert json.loads((run_dir / "config.json").read_text())["max_turns"] == 2
+    (step,) = records(run_dir, "train")      # 2 groups x 2 episodes x 2 turns x 8 tokens at most
+    assert 0 < step["tokens_generated"] <= 2 * 2 * 2 * 8
+    episodes = evaluate_run(run_dir, episodes=1)["members"]["train-simulator"]["episodes"]
+    assert episodes and all([t.role for t in ep.turns] == ["agent", "partner"] for ep in episodes)
+
+
 def test_resume_continues_exactly_where_the_run_stopped(tmp_path, model_dirs):
     whole = train(tmp_path, model_dirs, "population", "--steps", "2", name="whole")
     part = train(tmp_path, model_dirs, "population", "--steps", "1", name="part")

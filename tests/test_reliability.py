@@ -285,6 +285,7 @@ def fails_with(capsys, argv, message, cli=train_cli):
     (["--group-size", "0"], "argument --group-size: must be 2 or more, not 0"),
     (["--workers", "0"], "argument --workers: must be 1 or more"),
     (["--lr", "1e-3"], "--lr is for real-model runs"),
+    (["--max-turns", "4"], "--max-turns is for real-model runs"),
 ])
 def test_bad_toy_arguments_are_one_message_before_anything_is_created(tmp_path, capsys, argv, message):
     fails_with(capsys, argv + ["--runs-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache")], message)
@@ -311,6 +312,9 @@ def test_toy_group_settings_reach_the_config(tmp_path, monkeypatch):
     (["--method", "foo"], "--method 'foo': choose one of"),
     (["--seeds", "1"], "--seeds is for the toy experiment"),
     (["--quick"], "--quick is for the toy experiment"),
+    (["--max-turns", "0"], "argument --max-turns: must be 1 or more, not 0"),
+    (["--max-turns", "3"], "--max-turns 3: P4G needs an even number"),
+    (["--env", "cooperbench", "--max-turns", "4"], "--max-turns is for --env p4g|tau2, not --env cooperbench (cooperbench: --coder-turns)"),
 ])
 def test_bad_real_arguments_are_one_message_before_any_model_loads(tmp_path, capsys, argv, message):
     fails_with(capsys, ["--env", "p4g", "--data", str(tmp_path), "--policy", str(tmp_path / "no-model"),

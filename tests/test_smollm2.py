@@ -39,7 +39,7 @@ from test_served import free_port
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("MINSCOPE_CACHE") or REPO / ".cache" / "minscope")
 P4G_CSV = REPO / "tests" / "fixtures" / "p4g" / "csv"
-TINY = ["--groups", "1", "--group-size", "2", "--max-new-tokens", "4", "--micro-batch", "2"]
+TINY = ["--groups", "1", "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "4", "--micro-batch", "2"]
 # the largest |sampled - recomputed| log-prob seen here was 2.6e-5 (fp32, 2 CPU cores)
 LOGPROB_TOL = 1e-3
 
@@ -65,18 +65,6 @@ def smol(smollm2_dir):
     """SmolLM2 loaded once for the direct tests, with adapters "policy" and "simulator"."""
     model, tok = load_model(str(smollm2_dir))
     return add_adapters(model, ["policy", "simulator"]), tok
-
-
-def short_p4g(monkeypatch, turns=2):
-    """P4G episodes of `turns` turns (the release's are 10): the same prompts, less decoding."""
-    make_env = runner.make_env
-
-    def short(args):
-        env = make_env(args)
-        if args.env == "p4g":
-            env.max_turns = turns
-        return env
-    monkeypatch.setattr(runner, "make_env", short)
 
 
 def records(run_dir, kind):
@@ -256,7 +244,6 @@ def p4g_run(tmp_path_factory):
     runs = tmp_path_factory.mktemp("smollm2-runs")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MINSCOPE_CACHE", str(CACHE))
-        short_p4g(mp)
         save_state = runner.save_state
 
         def keep_step0(path, step, *a):
@@ -276,14 +263,13 @@ def test_a_p4g_run_on_smollm2_keeps_streams_exact_and_trains_the_adapter(p4g_run
     assert all(r["rollout_s"] > 0 and r["update_s"] > 0 and 0.0 <= r["train_reward"] <= 1.0 for r in steps)
     assert [r["step"] for r in records(p4g_run, "eval")] == [0, 2]
     config = json.loads((p4g_run / "config.json").read_text())
-    assert config["policy"] == config["simulator"] == "smollm2"
+    assert config["policy"] == config["simulator"] == "smollm2" and config["max_turns"] == 2
     first, last = (load_file(str(p4g_run / f"policy-step{s}" / "policy" / "adapter_model.safetensors"))
                    for s in (0, 2))
     assert any(not torch.equal(first[k], last[k]) for k in first)
 
 
-def test_resuming_the_smollm2_run_after_step_0_reproduces_it(p4g_run, tmp_path, monkeypatch):
-    short_p4g(monkeypatch)
+def test_resuming_the_smollm2_run_after_step_0_reproduces_it(p4g_run, tmp_path):
     copy = tmp_path / "p4g"
     shutil.copytree(p4g_run, copy)
     shutil.copy(p4g_run.parent / "state-step0.pt", copy / "state.pt")
@@ -345,11 +331,10 @@ def test_a_cooperbench_episode_on_smollm2_self_play(smol, tmp_path, monkeypatch)
     assert 0.0 <= reward <= 1.0 and "patches" in info
 
 
-def test_a_run_against_smollm2_served_by_minscope_serve(tmp_path, monkeypatch):
+def test_a_run_against_smollm2_served_by_minscope_serve(tmp_path):
     """`python -m minscope.serve smollm2` (its make_server, in a thread) as the simulator of a run."""
     from minscope.serve import make_server
 
-    short_p4g(monkeypatch)
     port = free_port()
     srv, banner = make_server(["smollm2", "--port", str(port)])
     assert banner == f"serving base model smollm2 as model 'smollm2' at http://127.0.0.1:{port}/v1"

@@ -84,6 +84,16 @@ def test_without_tau2_the_module_imports_and_the_error_names_the_install_command
 
 
 # --------------------------------------------------------------------------- what each side sees
+def test_train_py_max_turns_reaches_the_environment():
+    pytest.importorskip("tau2", reason="tau2-bench not installed (see requirements-tau2.txt)")
+    import train as train_cli
+    from minscope.runner import make_env
+
+    for argv, turns in (([], 30), (["--max-turns", "6"], 6)):
+        args = train_cli.parse_args(["--env", "tau2", "--domain", "mock", "--policy", "p", *argv])
+        assert make_env(args).max_turns == turns
+
+
 def test_agent_tools_are_the_official_openai_schemas(mock):
     from tau2.domains.mock.environment import get_environment
     official = {t.name: t.openai_schema for t in get_environment().get_tools()}

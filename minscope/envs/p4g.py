@@ -337,3 +337,22 @@ class P4GEnv(Environment):
             "words": sum(len(t.text.split()) for t in episode.turns if t.role != "env"),
         }
         return min(amount / MAX_DONATION, 1.0), info
+
+    def step_metrics(self, episodes: list[Episode]) -> dict:
+        """What the reward parser saw in a training step, for metrics.jsonl: the share of
+        episodes that gave more than $0 (donation_rate) and that stated any amount, $0
+        included (donation_stated); the mean donation in dollars; and per persuadee turn, the
+        share holding a `[DONATE $N]`/`[GIVE $N]` tag (tagged_turns) and the share stating
+        an amount in any form (stated_turns)."""
+        scored = [ep.info for ep in episodes if "donation" in ep.info]
+        turns = [t.text for ep in episodes for t in ep.turns if t.role == "partner"]
+        out = {}
+        if scored:
+            n = len(scored)
+            out.update(donation_rate=sum(i["donation"] > 0 for i in scored) / n,
+                       donation_stated=sum(bool(i["donation_stated"]) for i in scored) / n,
+                       donation_mean=sum(i["donation"] for i in scored) / n)
+        if turns:
+            out.update(tagged_turns=sum(_TAG.search(t) is not None for t in turns) / len(turns),
+                       stated_turns=sum(parse_donation(t) is not None for t in turns) / len(turns))
+        return out
