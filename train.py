@@ -65,7 +65,7 @@ REAL_DEFAULTS = dict(method="single", domain="retail", panel="", groups=16, grou
 REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "panel", "load_in_4bit",
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
              "no_grad_checkpointing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
-             "unsafe_no_sandbox", "max_turns")
+             "unsafe_no_sandbox", "max_turns", "pool_draw")
 TOY_ONLY = ("quick", "methods", "ablations", "seeds", "workers", "cache_dir")
 
 
@@ -81,8 +81,8 @@ def build_parser():
     p.add_argument("--methods", help="toy: comma-separated arms (default: all). Choices: "
                    "base,single,vs,ensemble,cotrain,population,oracle")
     p.add_argument("--ablations", help="toy: comma-separated Co-Training variants run with seed 0 "
-                   "(default: cotrain:curriculum,population:curriculum,population:hardest; "
-                   "none when --methods is given; 'none' for none). Variants after the colon: "
+                   "(default: none; e.g. cotrain:curriculum,population:curriculum,population:hardest). "
+                   "Variants after the colon: "
                    "adversarial|cooperative|curriculum (simulator reward; default adversarial), "
                    "anchor (realism anchor: BC on real transcripts), hardest|uniform (how Population "
                    "Co-Training draws from its pool: the pool curator, or the paper's uniform draw, "
@@ -127,6 +127,10 @@ def build_parser():
                    "toy: ToyConfig); GRPO compares them, so at least 2")
     p.add_argument("--lr", type=positive_float, help="real env: policy LoRA learning rate (default 1e-5)")
     p.add_argument("--sim-lr", type=positive_float, help="real env: simulator LoRA learning rate (default 1e-5)")
+    p.add_argument("--pool-draw", choices=("uniform", "hardest"), help="real env, --method population: how each "
+                   "group draws its simulator from the pool: uniform (the paper, default) or hardest (the pool "
+                   "curator: weight (1 - r)^2 + 0.01, r the policy's recent reward against that snapshot; "
+                   "the toy's ':hardest' ablation)")
     p.add_argument("--eval-every", type=whole(1), help="evaluate every N steps (real env default 16; toy: ToyConfig)")
     p.add_argument("--max-new-tokens", type=whole(1), help="real env: per-turn token cap (default 128)")
     p.add_argument("--micro-batch", type=whole(1), help="real env: sequences per forward/backward (default 8)")
@@ -215,6 +219,8 @@ def check_real_args(p, args):
 
     if args.method is not None and args.method not in REAL_METHODS:
         p.error(f"--method {args.method!r}: choose one of {', '.join(REAL_METHODS)}")
+    if args.pool_draw is not None and (args.method or "single") != "population":
+        p.error(f"--pool-draw is for --method population, not --method {args.method or 'single'}")
     if args.max_turns is not None:
         if args.env not in ("p4g", "tau2"):
             other = " (cooperbench: --coder-turns)" if args.env == "cooperbench" else ""

@@ -223,9 +223,10 @@ def _run_logged(toy, method, seed, run_dir: Path, stop_after=None, progress=True
 
 
 # CPU-seconds of one default arm of each kind: bench/profile_toy.py's projection (ensemble as
-# single) x 1.37, the ratio of a whole run's measured CPU time to the projection. They order
-# the jobs, make the first estimate, and turn finished arms into the ETA (by their ratios)
-ARM_SECONDS = {"base": 7, "single": 75, "ensemble": 75, "oracle": 62, "vs": 159, "cotrain": 208, "population": 190}
+# single) x 0.9, the ratio of a whole cold run's measured wall time on 2 free cores to the
+# projection (2026-12-01: 15 min 57 s for 24 arms). They order the jobs, make the first
+# estimate, and turn finished arms into the ETA (by their ratios)
+ARM_SECONDS = {"base": 5, "single": 49, "ensemble": 49, "oracle": 41, "vs": 104, "cotrain": 136, "population": 124}
 
 
 def arm_cost(method: str) -> float:

@@ -121,6 +121,18 @@ def test_max_turns_shortens_every_episode_of_training_and_of_eval(tmp_path, mode
     assert episodes and all([t.role for t in ep.turns] == ["agent", "partner"] for ep in episodes)
 
 
+def test_pool_draw_hardest_reaches_the_population_and_its_record_is_logged(tmp_path, model_dirs, monkeypatch):
+    from minscope.simulators import Population
+
+    draws, weights = [], Population.weights
+    monkeypatch.setattr(Population, "weights", lambda self: draws.append(self.draw) or weights(self))
+    run_dir = train(tmp_path, model_dirs, "population", "--pool-draw", "hardest")
+    assert json.loads((run_dir / "config.json").read_text())["pool_draw"] == "hardest"
+    assert draws and set(draws) == {"hardest"}
+    (step,) = records(run_dir, "train")
+    assert set(step["pool_scores"]) == {"0"} and 0.0 <= step["pool_scores"]["0"] <= 1.0
+
+
 def test_resume_continues_exactly_where_the_run_stopped(tmp_path, model_dirs):
     whole = train(tmp_path, model_dirs, "population", "--steps", "2", name="whole")
     part = train(tmp_path, model_dirs, "population", "--steps", "1", name="part")

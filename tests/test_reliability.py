@@ -286,6 +286,7 @@ def fails_with(capsys, argv, message, cli=train_cli):
     (["--workers", "0"], "argument --workers: must be 1 or more"),
     (["--lr", "1e-3"], "--lr is for real-model runs"),
     (["--max-turns", "4"], "--max-turns is for real-model runs"),
+    (["--pool-draw", "hardest"], "--pool-draw is for real-model runs"),
 ])
 def test_bad_toy_arguments_are_one_message_before_anything_is_created(tmp_path, capsys, argv, message):
     fails_with(capsys, argv + ["--runs-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache")], message)
@@ -315,6 +316,8 @@ def test_toy_group_settings_reach_the_config(tmp_path, monkeypatch):
     (["--max-turns", "0"], "argument --max-turns: must be 1 or more, not 0"),
     (["--max-turns", "3"], "--max-turns 3: P4G needs an even number"),
     (["--env", "cooperbench", "--max-turns", "4"], "--max-turns is for --env p4g|tau2, not --env cooperbench (cooperbench: --coder-turns)"),
+    (["--pool-draw", "hardest"], "--pool-draw is for --method population, not --method single"),
+    (["--method", "population", "--pool-draw", "worst"], "argument --pool-draw: invalid choice"),
 ])
 def test_bad_real_arguments_are_one_message_before_any_model_loads(tmp_path, capsys, argv, message):
     fails_with(capsys, ["--env", "p4g", "--data", str(tmp_path), "--policy", str(tmp_path / "no-model"),
