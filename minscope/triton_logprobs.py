@@ -270,7 +270,7 @@ def tile_config(shared_memory_bytes: int, dtype: torch.dtype) -> dict:
 
     Keys without a prefix are the statistics (and logit-gradient) kernel's; dx_* are the dx
     kernel's. The bf16 sizes for GPUs with >= 160 KB (Hopper, A100) are the fastest of
-    bench/tiles.py's first sweep on an H200 (README, "Fused log-probs"); the others are unmeasured.
+    bench/tiles.py's first sweep on an H200 (docs/BENCHMARKS.md, "Fused log-probs"); the others are unmeasured.
     """
     # A pipeline stage of the statistics kernel holds a [block_n, block_h] tile of hidden
     # and a [block_v, block_h] tile of W: 32 KB at 128 x 128 x 64 in bf16, so 4 stages need
