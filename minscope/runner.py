@@ -431,7 +431,9 @@ def build_real_method(args, env, personas):
     frozen = models.frozen
     if args.method == "ensemble":           # the seen panel members are the training ensemble
         frozen = [p for p, kind in models.panel.values() if kind == "seen"]
-    ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=SAMPLING_TEMPERATURE, beta=0.005)
+    # skip_zero_signal: a step whose groups all have equal rewards runs no update (DESIGN_NOTES)
+    ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=SAMPLING_TEMPERATURE, beta=0.005,
+                skip_zero_signal=True)
     method = build_method(args.method, models.policy, frozen, UpdateConfig(lr=args.lr, **ucfg),
                           UpdateConfig(lr=args.sim_lr, **ucfg),
                           sim_model=models.sim_model if args.method in TRAINS_SIMULATOR else None,
