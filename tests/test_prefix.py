@@ -122,3 +122,72 @@ def test_a_step_without_reward_signal_skips_the_update(tokenizer):
     handle.remove()
     assert not stats["skipped_update"] and calls
     assert any(not torch.equal(before[k], v) for k, v in model.named_parameters() if "lora_" in k)
+
+
+# ----------------------------------------------------------------------------- the rollout
+from minscope.envs.base import Environment  # noqa: E402
+from minscope.rollout import LMSpeaker, rollout, sample  # noqa: E402
+
+
+def test_sampling_with_shared_prefixes_draws_the_same_tokens(tiny_model, tokenizer):
+    """Rows that start alike are prefilled once (per adapter); the tokens and log-probs drawn
+    under the same seed are those of a full prefill of every row."""
+    model = add_adapters(tiny_model, ["one", "two"], init_lora_weights=False)
+    gen = torch.Generator().manual_seed(3)
+    rand = lambda n: torch.randint(3, len(tokenizer), (n,), generator=gen).tolist()   # noqa: E731
+    a, b = rand(30), rand(20)
+    prompts = [a + rand(3), a + rand(5), a + rand(1), b + rand(4), b + rand(2), rand(25), a[:18] + rand(3)]
+    names = ["one", "one", "two", "one", "one", "two", "one"]
+    out, fed = [], []
+    for share in (False, True):
+        torch.manual_seed(7)
+        from minscope.kvcache import KVCache
+        cache = KVCache()
+        out.append(sample(model, prompts, tokenizer.pad_token_id, {tokenizer.eos_token_id}, 8, 1.0,
+                          adapter_names=names, cache=cache, share_prefix=share))
+        fed.append(cache.last_prefilled)
+    (ids0, lp0), (ids1, lp1) = out
+    assert ids0 == ids1
+    assert all(torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5) for x, y in zip(lp0, lp1))
+    assert fed[0] == [len(p) for p in prompts]
+    # rows 0, 1 and 6 share 18 ids (row 0 feeds them); 3 and 4 share b; 2 (another adapter) and 5 are alone
+    assert fed[1][1] == 35 - 18 and fed[1][6] == 3 and fed[1][4] == 2
+    assert fed[1][0] == fed[0][0] and fed[1][3] == fed[0][3] and fed[1][2] == fed[0][2] and fed[1][5] == fed[0][5]
+
+
+class Persuade(Environment):
+    """Both parties have long system prompts; three turns each; a group's episodes share them."""
+    max_turns = 6
+
+    def tasks(self, split="train"):
+        return ["alpha", "beta"]
+
+    def agent_messages(self, task):
+        return [{"role": "system", "content": "you are the agent, be kind and persuasive " * 3}]
+
+    def partner_messages(self, task):
+        return [{"role": "system", "content": f"you are the user called {task}; " + "answer briefly and honestly " * 4}]
+
+    def score(self, episode):
+        return float(len(episode.turns[0].text) % 2), {}
+
+
+@pytest.mark.parametrize("population", [False, True])
+def test_rollouts_with_shared_prefixes_are_the_same_episodes(tiny_model, tokenizer, population):
+    model = add_adapters(tiny_model, ["policy", "sim1", "sim2"], init_lora_weights=False)
+    partner_adapter = (lambda ep: "sim1" if ep.group % 2 else "sim2") if population else None
+    runs = []
+    for share in (False, True):
+        agent = LMSpeaker(model, tokenizer, "agent", adapter="policy", max_new_tokens=6)
+        partner = LMSpeaker(model, tokenizer, "partner", adapter=partner_adapter, max_new_tokens=6)
+        agent.share_prefix = partner.share_prefix = share
+        runs.append(rollout(Persuade(), ["alpha", "beta"], agent, partner, group_size=3, seed=11))
+    off, on = runs
+    for e0, e1 in zip(off, on):
+        assert [t.text for t in e0.turns] == [t.text for t in e1.turns]
+        for key in ("agent", "partner"):
+            s0, s1 = e0.info["streams"][key], e1.info["streams"][key]
+            assert s0.ids == s1.ids and s0.mask == s1.mask
+            assert torch.allclose(torch.tensor(s0.logp), torch.tensor(s1.logp), atol=1e-5)
+    prefilled = [sum(ep.info["tokens"][k]["prefilled"] for ep in run for k in ("agent", "partner")) for run in runs]
+    assert prefilled[1] < 0.75 * prefilled[0]
