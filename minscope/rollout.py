@@ -80,10 +80,11 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
     owners = [object() for _ in prompts] if owners is None else owners
     B = len(prompts)
     reused = cache.prepare(owners, prompts, device)
-    shared = [0] * B
+    shared, reused_before = [0] * B, reused
     if share_prefix:
         reused, shared = share_prefixes(model, cache, prompts, reused, adapter_names, pad_id, device)
     cache.last_prefilled = [len(p) - k + s for p, k, s in zip(prompts, reused, shared)]
+    cache.last_shared = [k - r - s for k, s, r in zip(reused, shared, reused_before)]
     run = _Forward(model, cache, adapter_names)
     cache.reserve(max(len(p) - k for p, k in zip(prompts, reused)) + max_new_tokens, device)   # the whole turn
 
@@ -490,9 +491,10 @@ class LMSpeaker:
         else:   # a population: one batch, one adapter per row ("__base__" = no adapter);
             # a row's adapter is fixed for its episode, so its cached keys/values stay valid
             ids, logps = sample(self.model, prompts, adapter_names=[n or "__base__" for n in names], **kwargs)
-        for ep, name, fed, gen in zip(episodes, names, cache.last_prefilled, ids):
+        for ep, name, fed, copied, gen in zip(episodes, names, cache.last_prefilled, cache.last_shared, ids):
             count = ep.info.setdefault("tokens", {}).setdefault(self.role, {"prefilled": 0, "generated": 0})
             count["prefilled"] += fed
+            count["shared"] = count.get("shared", 0) + copied     # ids copied from another row's prefill
             count["generated"] += len(gen)
             count["params"] = parameter_count(self.model, name)     # N, for the FLOPs estimate
         return ids, logps
