@@ -191,3 +191,40 @@ def test_rollouts_with_shared_prefixes_are_the_same_episodes(tiny_model, tokeniz
             assert torch.allclose(torch.tensor(s0.logp), torch.tensor(s1.logp), atol=1e-5)
     prefilled = [sum(ep.info["tokens"][k]["prefilled"] for ep in run for k in ("agent", "partner")) for run in runs]
     assert prefilled[1] < 0.75 * prefilled[0]
+
+
+def test_train_step_logs_a_skipped_update_and_its_reason(tokenizer):
+    """A step whose groups all have equal rewards: with skip_zero_signal the policy's and the
+    co-trained simulator's updates are skipped and the metrics say so; without it they run."""
+    from minscope.envs.wordgame import WordGame
+    from minscope.methods import build_method, train_step
+    from minscope.models import adapter_state
+    from minscope.simulators import Frozen
+
+    class Flat(WordGame):
+        def score(self, episode):
+            return 1.0, {}
+
+    torch.manual_seed(0)
+    policy_model = add_adapters(build_tiny_model(tokenizer, "qwen3", hidden_size=32), ["policy"],
+                                init_lora_weights=False)
+    sim_model = add_adapters(build_tiny_model(tokenizer, "qwen3", hidden_size=32, seed=1), ["simulator"],
+                             init_lora_weights=False)
+    policy = LMSpeaker(policy_model, tokenizer, "agent", adapter="policy", max_new_tokens=3)
+    frozen = [Frozen(build_tiny_model(tokenizer, "llama", hidden_size=32, seed=2), tokenizer, max_new_tokens=3)]
+    env = Flat()
+    for skip in (True, False):
+        cfg = UpdateConfig(lr=1e-2, beta=0.005, skip_zero_signal=skip)
+        m = build_method("cotrain", policy, frozen, cfg, UpdateConfig(lr=1e-2, skip_zero_signal=skip),
+                         sim_model=sim_model, sim_tokenizer=tokenizer, sim_reward="adversarial")
+        before = adapter_state(policy_model, "policy")
+        metrics = train_step(m, env, env.tasks()[:2], 2, step=0)
+        moved = any(not torch.equal(before[k], v) for k, v in adapter_state(policy_model, "policy").items())
+        assert metrics["zero_var_frac"] == 1.0
+        assert metrics["skipped_update"] is skip and metrics["sim_skipped_update"] is skip
+        assert moved is not skip                    # the paper's update applies the KL term and AdamW
+        if skip:
+            assert "advantage" in metrics["skip_reason"] and metrics["policy_entropy"] is None
+            assert metrics["compute"]["policy_backprop"] == metrics["compute"]["ref_forward"] == 0
+        else:
+            assert "skip_reason" not in metrics and metrics["policy_entropy"] > 0
