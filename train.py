@@ -70,8 +70,9 @@ TOY_ONLY = ("quick", "methods", "ablations", "seeds", "workers", "cache_dir")
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--env", default="toy", choices=["toy", "p4g", "tau2", "cooperbench", "wordgame"],
-                   help="environment (default: the built-in toy persuasion experiment)")
+    p.add_argument("--env", default="toy", choices=["toy", "p4g", "tau2", "cooperbench", "wordgame", "numbers"],
+                   help="environment (default: the built-in toy persuasion experiment; numbers: a real model "
+                   "learns to say a number above 50 in minutes on a CPU, e.g. --policy smollm2)")
     p.add_argument("--quick", action="store_true", help="toy: a ~3 minute smoke run of the same code path (too small to show the effect)")
     p.add_argument("--name", help="run name: results go to RUNS_DIR/NAME (default: toy / toy-quick / env-method)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its saved state")
@@ -176,7 +177,7 @@ def check_toy_args(p, args):
     real = [flag(k) for k in REAL_ONLY if k in given(args)]
     if real:
         p.error(f"{', '.join(real)} {'is' if len(real) == 1 else 'are'} for real-model runs (--env "
-                "p4g|tau2|cooperbench|wordgame); the toy experiment picks its arms with --methods (choices: "
+                "p4g|tau2|cooperbench|wordgame|numbers); the toy experiment picks its arms with --methods (choices: "
                 + ",".join(TOY_METHODS) + ")")
     if args.methods:
         bad = [m for m in split_list(p, "methods", args.methods) if m not in TOY_METHODS]

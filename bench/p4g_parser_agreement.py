@@ -1,7 +1,9 @@
 """How often does parse_donation read, from a persuadee's messages, the donation they made?
 
-For every human Persuasion for Good dialogue, the persuadee's messages are joined and read
-with `minscope.envs.p4g.parse_donation` (the same call the environment's reward uses),
+For every human Persuasion for Good dialogue, the persuadee's messages are read with
+`minscope.envs.p4g.episode_donation` (the same call the environment's reward uses: the
+persuadee's sentences that echo the persuader's messages are dropped, the rest is joined and
+read by `parse_donation`),
 then compared with the donation the persuadee actually made after the chat (B6 of the
 persuadee row). Humans saw no tag rule, so this checks only the plain-language fallback.
 
@@ -27,7 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from minscope.envs.p4g import MAX_DONATION, parse_donation  # noqa: E402
+from minscope.envs.base import Episode, Turn  # noqa: E402
+from minscope.envs.p4g import MAX_DONATION, episode_donation, parse_donation  # noqa: E402
 from minscope.envs.p4g_data import DataError, P4GDataNotFound, load_p4g  # noqa: E402
 
 
@@ -69,6 +72,13 @@ def intended_donations(path: Path) -> dict[str, float | None]:
     return out
 
 
+def dialogue_donation(d) -> float | None:
+    """The donation the environment's reward reads from a human dialogue."""
+    roles = {"persuader": "agent", "persuadee": "partner"}
+    turns = [Turn(roles[role], text) for role, text in d.messages if role in roles]
+    return episode_donation(Episode(task=d.id, group=0, turns=turns))
+
+
 def last_amount_message(persuadee_messages: list[str]) -> str:
     """The persuadee message that stated the amount which counted (the last one that states any)."""
     for text in reversed(persuadee_messages):
@@ -98,7 +108,7 @@ def main() -> None:
             unknown += 1
             continue
         said = [text for role, text in d.messages if role == "persuadee"]
-        parsed = parse_donation("\n".join(said))
+        parsed = dialogue_donation(d)
         row = (d, parsed, said)
         if parsed is None:
             none_stated.append(row)
@@ -146,7 +156,7 @@ def compare_with_intended(corpus, intended: dict) -> None:
             for d in corpus.dialogues if d.id in intended]
     with_b5 = [(d, b5) for d, b5 in rows if b5 is not None]
     same = lambda a, b: a is not None and b is not None and abs(a - b) < 0.005  # noqa: E731
-    parsed = {d.id: parse_donation("\n".join(t for r, t in d.messages if r == "persuadee")) for d, _ in rows}
+    parsed = {d.id: dialogue_donation(d) for d, _ in rows}
     print(f"\nannotated dialogues (300_info.xlsx): {len(rows)}; with an intended donation B5: {len(with_b5)}")
     hits = sum(same(parsed[d.id], b5) for d, b5 in with_b5)
     read = sum(parsed[d.id] is not None for d, _ in with_b5)

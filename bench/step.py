@@ -42,7 +42,15 @@ update_s (the update is the rest of train_step); peak = torch.cuda.max_memory_al
 over the step (CUDA only). With --repeats N each mode runs N steps, the modes interleaved
 (a loaded machine slows whichever runs when it is busiest), and the table shows medians.
 
+--prefix-sharing on|off|both: whether a group's shared prompt prefix is prefilled once in the
+rollout (rollout.share_prefixes) and fed forward once per micro-batch in the update
+(minscope/prefix.py); `both` runs every mode both ways (interleaved) and prints, per pair, the
+rollout and update times, the prefilled ids and the update's forward tokens (policy and
+reference passes, and the simulator's update where there is one).
+
 Examples:
+  python bench/step.py --model smollm2 --device cpu --tasks 2 --group-size 4 --turns 2 \
+      --turn-tokens 24 --modes kept --prefix-sharing both     # the P4G step of docs/BENCHMARKS.md
   python bench/step.py --device cpu                       # small shape, single, batch 32, 4+4 turns
   python bench/step.py --model smollm2 --device cpu --tasks 2 --group-size 8 --turns 5 \
       --turn-tokens 16 --modes kept,reprefill,generate --no-update   # SmolLM2-135M, batch 16, 5+5 turns
@@ -110,6 +118,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="untimed short rollouts per shape first")
     p.add_argument("--repeats", type=int, default=1,
                    help="steps per mode, the modes interleaved; the table shows each mode's median")
+    p.add_argument("--prefix-sharing", default="on", choices=["on", "off", "both"],
+                   help="prefill/feed a group's shared prompt prefix once (rollout and update), or not, or both")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here (after each step)")
     args = p.parse_args(argv)
@@ -210,12 +220,13 @@ def build(shape: str, args):
     return model, tokenizer
 
 
-def make_method(name: str, model, tokenizer, args):
+def make_method(name: str, model, tokenizer, args, sharing: bool = True):
     new = args.turn_tokens
     policy = LMSpeaker(model, tokenizer, "agent", adapter="policy", max_new_tokens=new)
     frozen = Frozen(model, tokenizer, adapter=None, max_new_tokens=new)
-    cfg = UpdateConfig(lr=1e-6, beta=0.005, micro_batch=args.micro_batch)
-    kw = dict(sim_model=model, sim_tokenizer=tokenizer, sim_cfg=UpdateConfig(lr=1e-6, micro_batch=args.micro_batch))
+    cfg = UpdateConfig(lr=1e-6, beta=0.005, micro_batch=args.micro_batch, prefix_sharing=sharing)
+    kw = dict(sim_model=model, sim_tokenizer=tokenizer,
+              sim_cfg=UpdateConfig(lr=1e-6, micro_batch=args.micro_batch, prefix_sharing=sharing))
     method = methods_mod.build_method(name, policy, [frozen], cfg, seed=args.seed,
                                       **(kw if name == "population" else {}))
     if name == "vs":
@@ -308,20 +319,21 @@ def generate_sample(model, prompts, pad_id, eos_ids, max_new_tokens, temperature
 
 
 @contextlib.contextmanager
-def mode(name: str):
-    """Sample in mode `name` inside the block (see the module docstring)."""
-    saved = LMSpeaker.reuse_cache, rollout_mod.sample
+def mode(name: str, sharing: bool = True):
+    """Sample in mode `name` inside the block (see the module docstring), sharing prompt prefixes or not."""
+    saved = LMSpeaker.reuse_cache, LMSpeaker.share_prefix, rollout_mod.sample
     LMSpeaker.reuse_cache = name == "kept"
+    LMSpeaker.share_prefix = sharing
     if name in ("legacy", "generate"):
         rollout_mod.sample = legacy_sample if name == "legacy" else generate_sample
     try:
         yield
     finally:
-        LMSpeaker.reuse_cache, rollout_mod.sample = saved
+        LMSpeaker.reuse_cache, LMSpeaker.share_prefix, rollout_mod.sample = saved
 
 
 # ------------------------------------------------------------------ one step
-def measure(shape, method_name, mode_name, model, tokenizer, args) -> dict:
+def measure(shape, method_name, mode_name, model, tokenizer, args, sharing: bool = True) -> dict:
     cuda = args.device == "cuda"
 
     def sync():
@@ -330,9 +342,17 @@ def measure(shape, method_name, mode_name, model, tokenizer, args) -> dict:
 
     env = Shaped(args.turns, args.seed)
     tasks = env.tasks()[:args.tasks]
-    method = make_method(method_name, model, tokenizer, args)
+    method = make_method(method_name, model, tokenizer, args, sharing)
     timed = {}
-    real_rollout = methods_mod.rollout
+    real_rollout, real_update = methods_mod.rollout, methods_mod.grpo_update
+    updates = []
+
+    def counted_update(*a, **k):         # each update's forward tokens (prefix once, or every row whole)
+        stats = real_update(*a, **k)
+        cfg = a[6] if len(a) > 6 else k["cfg"]
+        passes = cfg.epochs + (1 if cfg.beta else 0)          # policy epochs + the reference pass
+        updates.append((stats["tokens_forward"] * passes, stats["tokens_forward_plain"] * passes))
+        return stats
 
     def timed_rollout(*a, **k):          # train_step's rollout, timed on its own
         sync()
@@ -347,9 +367,9 @@ def measure(shape, method_name, mode_name, model, tokenizer, args) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(args.seed)
-    methods_mod.rollout = timed_rollout
+    methods_mod.rollout, methods_mod.grpo_update = timed_rollout, counted_update
     try:
-        with mode(mode_name), rollout_mod.rollout_batch(args.rollout_batch):
+        with mode(mode_name, sharing), rollout_mod.rollout_batch(args.rollout_batch):
             sync()
             t0 = time.perf_counter()
             if args.no_update:
@@ -359,12 +379,14 @@ def measure(shape, method_name, mode_name, model, tokenizer, args) -> dict:
             sync()
             total = time.perf_counter() - t0
     finally:
-        methods_mod.rollout = real_rollout
+        methods_mod.rollout, methods_mod.grpo_update = real_rollout, real_update
     episodes = timed.pop("episodes")
     counts = [c for ep in episodes for c in ep.info.get("tokens", {}).values()]
     prefilled = sum(c["prefilled"] for c in counts)
     generated = sum(c["generated"] for c in counts)
     return {"shape": shape, "method": method_name, "mode": mode_name, "batch": len(episodes),
+            "sharing": "on" if sharing else "off",
+            "update_forward": sum(u[0] for u in updates), "update_forward_plain": sum(u[1] for u in updates),
             "turns": args.turns, "prefilled": prefilled, "generated": generated,
             "rollout_s": timed["rollout_s"], "update_s": total - timed["rollout_s"],
             "tokens_per_s": generated / timed["rollout_s"],
@@ -382,7 +404,7 @@ def medians(rows) -> list[dict]:
     """One row per (shape, method, mode): the median rollout/update time of its repeats."""
     out = {}
     for r in rows:
-        out.setdefault((r["shape"], r["method"], r["mode"]), []).append(r)
+        out.setdefault((r["shape"], r["method"], r["mode"], r.get("sharing", "on")), []).append(r)
     merged = []
     for group in out.values():
         row = dict(group[0], repeats=len(group))
@@ -396,14 +418,15 @@ def medians(rows) -> list[dict]:
 
 
 def table(rows) -> str:
-    lines = ["| shape | method | mode | batch | prefilled | generated | rollout s | tok/s | update s | peak | peak RSS |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| shape | method | mode | prefix sharing | batch | prefilled | generated | rollout s | tok/s | update s "
+             "| update forward tokens | peak | peak RSS |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
         rss = f"{r['peak_rss_bytes'] / 2**30:.2f} GiB" if r.get("peak_rss_bytes") else "-"
-        lines.append(f"| {r['shape']} | {r['method']} | {r['mode']} | {r['batch']} | {r['prefilled']:,} | "
-                     f"{r['generated']:,} | {r['rollout_s']:.2f} | {r['tokens_per_s']:,.1f} | "
-                     f"{r['update_s']:.2f} | {peak} | {rss} |")
+        lines.append(f"| {r['shape']} | {r['method']} | {r['mode']} | {r.get('sharing', 'on')} | {r['batch']} | "
+                     f"{r['prefilled']:,} | {r['generated']:,} | {r['rollout_s']:.2f} | {r['tokens_per_s']:,.1f} | "
+                     f"{r['update_s']:.2f} | {r.get('update_forward', 0):,} | {peak} | {rss} |")
     return "\n".join(lines)
 
 
@@ -411,6 +434,7 @@ def summary(rows) -> list[str]:
     """One line per (shape, method) with a kept and a generate row: the three modes' tokens/s."""
     label = {"kept": "kept", "reprefill": "re-prefill", "generate": "generate per turn", "legacy": "legacy"}
     out = []
+    rows = [r for r in rows if r.get("sharing", "on") == "on"] or rows     # (--prefix-sharing both: the "on" rows)
     for key in dict.fromkeys((r["shape"], r["method"]) for r in rows):
         group = {r["mode"]: r for r in rows if (r["shape"], r["method"]) == key}
         if "kept" in group and len(group) > 1:
@@ -428,13 +452,31 @@ def comparisons(rows) -> list[str]:
         if r["mode"] == "kept":
             continue
         kept = next((k for k in rows if k["mode"] == "kept" and k["shape"] == r["shape"]
-                     and k["method"] == r["method"]), None)
+                     and k["method"] == r["method"] and k.get("sharing") == r.get("sharing")), None)
         if kept:
             fewer = 1 - kept["prefilled"] / max(r["prefilled"], 1)
             out.append(f"{r['shape']} {r['method']}: prefill tokens: {kept['prefilled']:,} vs "
                        f"{r['prefilled']:,} {'re-prefilled' if r['mode'] == 'reprefill' else r['mode']} "
                        f"({fewer:.0%} fewer); rollout {kept['tokens_per_s'] / r['tokens_per_s']:.2f}x the "
                        f"tokens/s of {r['mode']} ({kept['rollout_s']:.2f} s vs {r['rollout_s']:.2f} s)")
+    return out
+
+
+def sharing_lines(rows) -> list[str]:
+    """One line per (shape, method, mode) measured with prefix sharing on and off."""
+    out = []
+    for r in rows:
+        if r.get("sharing") != "on":
+            continue
+        off = next((o for o in rows if o.get("sharing") == "off" and
+                    (o["shape"], o["method"], o["mode"]) == (r["shape"], r["method"], r["mode"])), None)
+        if off:
+            step_on, step_off = r["rollout_s"] + r["update_s"], off["rollout_s"] + off["update_s"]
+            out.append(f"{r['shape']} {r['method']} {r['mode']}: prefix sharing on vs off: rollout "
+                       f"{r['rollout_s']:.2f} s vs {off['rollout_s']:.2f} s, prefilled {r['prefilled']:,} vs "
+                       f"{off['prefilled']:,}; update {r['update_s']:.2f} s vs {off['update_s']:.2f} s, forward "
+                       f"tokens {r['update_forward']:,} vs {off['update_forward']:,}; step {step_on:.2f} s vs "
+                       f"{step_off:.2f} s ({step_off / step_on:.2f}x)")
     return out
 
 
@@ -452,13 +494,15 @@ def main(argv=None):
         for method_name in args.methods:
             for _ in range(args.repeats):
                 for mode_name in args.modes:
-                    row = measure(shape, method_name, mode_name, model, tokenizer, args)
-                    rows.append(row)
-                    print(f"{shape} {method_name} {mode_name}: {row['rollout_s']:.2f} s rollout, "
-                          f"{row['prefilled']:,} prefilled, {row['tokens_per_s']:,.0f} tok/s, "
-                          f"{row['update_s']:.2f} s update", flush=True)
-                    if args.json:
-                        Path(args.json).write_text(json.dumps(rows, indent=1))
+                    for sharing in {"on": [True], "off": [False], "both": [True, False]}[args.prefix_sharing]:
+                        row = measure(shape, method_name, mode_name, model, tokenizer, args, sharing)
+                        rows.append(row)
+                        print(f"{shape} {method_name} {mode_name} sharing {row['sharing']}: {row['rollout_s']:.2f} s "
+                              f"rollout, {row['prefilled']:,} prefilled, {row['tokens_per_s']:,.0f} tok/s, "
+                              f"{row['update_s']:.2f} s update, {row['update_forward']:,} update forward tokens",
+                              flush=True)
+                        if args.json:
+                            Path(args.json).write_text(json.dumps(rows, indent=1))
         del model
     rows = medians(rows)
     print()
@@ -468,6 +512,8 @@ def main(argv=None):
         print(line)
     print(f"peak RSS of the process: {peak_rss() / 2**30:.2f} GiB")
     for line in summary(rows):
+        print(line)
+    for line in sharing_lines(rows):
         print(line)
 
 

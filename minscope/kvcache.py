@@ -84,6 +84,7 @@ class KVCache:
         self.owners: list = []                  # per row: the conversation it belongs to
         self.cached: list[list[int]] = []       # per row: the ids whose keys/values it holds
         self.last_prefilled: list[int] = []     # per prompt of the last turn: ids fed to the model
+        self.last_shared: list[int] = []        # per prompt: ids whose keys/values another row fed
 
     # ------------------------------------------------------------------ the model's side
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

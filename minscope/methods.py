@@ -243,14 +243,18 @@ def train_step(method: Method, env, tasks, group_size: int, step: int, first_gro
                "zero_var_frac": zero_var.float().mean().item(), "policy_entropy": p["entropy"],
                "clip_frac": p["clip_frac"], "kl": p["kl"], "policy_loss": p["loss"],
                "grad_norm": p["grad_norm"], "skipped_steps": p["skipped_steps"],   # non-finite updates
-               "score_errors": sum("score_error" in ep.info for ep in episodes)}   # scored 0 (rollout)
+               "score_errors": sum("score_error" in ep.info for ep in episodes),   # scored 0 (rollout)
+               # UpdateConfig.skip_zero_signal: no group had a reward signal, nothing was computed
+               "skipped_update": bool(p.get("skipped_update", False))}
+    if p.get("skipped_update"):
+        metrics["skip_reason"] = p["skip_reason"]
     if m.trains_simulator:
         sim_r = simulator_rewards(rewards, group_size, m.partner.reward)
         sim_adv = simulator_advantages(sim_r, group_size, m.partner.reward, m.sim_baseline)
         s = grpo_update(m.partner.model, m.partner.trainable_adapter, m.sim_opt, episodes, "partner",
                         sim_adv, m.sim_cfg, m.partner.tokenizer.pad_token_id)
         metrics.update(sim_reward=sim_r.mean().item(), sim_entropy=s["entropy"], sim_clip_frac=s["clip_frac"],
-                       sim_grad_norm=s["grad_norm"])
+                       sim_grad_norm=s["grad_norm"], sim_skipped_update=bool(s.get("skipped_update", False)))
         metrics["skipped_steps"] += s["skipped_steps"]
         if m.anchor is not None:
             skipped_before = m.anchor_skipped

@@ -84,15 +84,19 @@ class CollapseMonitor:
         c, out = self.cfg, []
         if rec.get("train_reward") is not None:
             self.since_eval.append(rec["train_reward"])
-        if rec.get("policy_entropy") is None or rec.get("zero_var_frac") is None:
+        if rec.get("zero_var_frac") is None:
             return out
-        self.recent.append((rec["policy_entropy"], rec["zero_var_frac"]))
+        # a skipped update (UpdateConfig.skip_zero_signal) measures no entropy: its step still
+        # counts for zero_var, and the entropy is the mean of the window's measured steps
+        self.recent.append((rec.get("policy_entropy"), rec["zero_var_frac"]))
         if len(self.recent) < c.window_steps:
             return out
-        ent, zv = (float(np.mean(x)) for x in zip(*self.recent))
+        zv = float(np.mean([z for _, z in self.recent]))
+        measured = [e for e, _ in self.recent if e is not None]
+        ent = float(np.mean(measured)) if measured else None
         if self.entropy0 is None:
             self.entropy0 = ent                 # the first full window is the start
-        if ent < c.entropy_frac * self.entropy0:
+        if ent is not None and self.entropy0 is not None and ent < c.entropy_frac * self.entropy0:
             out += self._alarm("entropy", rec["step"], ent, f"policy entropy {ent:.2f} < {c.entropy_frac:g} x "
                                                            f"its start {self.entropy0:.2f}")
         if zv > c.zero_var:

@@ -163,7 +163,7 @@ def evaluate_run(run_dir, episodes: int = 4, trials: int = 4, checkpoint: str = 
     env = make_env(args)
     tasks, split = eval_tasks(env)
     tasks = tasks[:max_tasks] if max_tasks else tasks
-    models = build_models(args, panel_spec=panel)
+    models = build_models(args, panel_spec=panel, partner=env.scripted_partner())
     models_thinking(models, bool(getattr(args, "thinking", False)))   # as the run was trained
     load_adapter(models.policy_model, "policy", folder)
     per_task = trials if args.env in ("tau2", "cooperbench") else episodes
@@ -294,6 +294,7 @@ def training_log(run_dir: Path) -> list[str]:
     if train:
         out.append(f"{len(train)} training steps; training reward {_f(train[0])} (first step) -> "
                    f"{_f(train[-1])} (last step).")
+        out += ["", "Training reward per step: " + " ".join(_f(r, 2) for r in train) + "."]
     if evals:
         skip = {"kind", "step", "split", "tasks", "panel_mean", "seen", "unseen", "eval_temperature", "eval_s"}
         names = [k for k in evals[0] if k not in skip]
@@ -374,8 +375,10 @@ def render_report(run_dir: Path, result: dict | None, transcripts_per_member: in
     cfg = read_json(run_dir / "config.json")
     lines = [f"# {run_dir.name}: evaluation", "",
              f"Environment `{cfg['env']}`" + (f" (domain {cfg['domain']})" if cfg["env"] == "tau2" else "") +
-             f", method `{cfg['method']}`, policy `{cfg['policy']}`, simulator "
-             f"`{cfg.get('simulator') or cfg['policy']}`, trained for {cfg.get('steps')} steps.", ""]
+             f", method `{cfg['method']}`, policy `{cfg['policy']}`, " +
+             (f"the environment's scripted {cfg['scripted_partner']}" if cfg.get("scripted_partner") else
+              f"simulator `{cfg.get('simulator') or cfg['policy']}`") +
+             f", trained for {cfg.get('steps')} steps.", ""]
     if result is None:
         lines += ["No evaluation was run (`--report-only`): `python eval.py RUN_DIR` evaluates the "
                   "saved policy."]

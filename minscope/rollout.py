@@ -31,7 +31,7 @@ import torch
 from .chat import chat_format, strip_reasoning
 from .compute import parameter_count
 from .envs.base import Episode, Turn, turn_noise
-from .kvcache import KVCache, party_cache, session
+from .kvcache import KVCache, common_prefix, party_cache, session
 from .lean import lean_forward
 from .models import model_device, use_adapter
 
@@ -51,7 +51,7 @@ def _cache_kwarg(model) -> str:
 def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_new_tokens: int,
            temperature: float = 1.0, adapter_names: list[str] | None = None,
            cache: KVCache | None = None, owners: list | None = None, check_every: int = 4,
-           uniforms: torch.Tensor | None = None):
+           uniforms: torch.Tensor | None = None, share_prefix: bool = False):
     """Sample continuations of many prompts in one batch.
 
     temperature 0 means greedy. Returns (token ids, log-probs) per prompt; each list stops
@@ -69,6 +69,10 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
     uniforms: [B, max_new_tokens] numbers in [0, 1): sample by inverse CDF, token t of row i
     being the first whose cumulative probability exceeds uniforms[i, t], instead of drawing
     from torch's generator (the collapse meter holds a party's noise fixed this way).
+
+    share_prefix: prompts with nothing cached that start with the same ids (a group's shared
+    system prompt and persona) are prefilled once, by one of them, and the others copy its
+    keys/values (`share_prefixes`); the same tokens, fewer prefilled ids.
     """
     device = model_device(model)
     model.eval()          # generation is inference (and peft's per-row adapters require it)
@@ -76,12 +80,16 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
     owners = [object() for _ in prompts] if owners is None else owners
     B = len(prompts)
     reused = cache.prepare(owners, prompts, device)
-    cache.last_prefilled = [len(p) - k for p, k in zip(prompts, reused)]
+    shared, reused_before = [0] * B, reused
+    if share_prefix:
+        reused, shared = share_prefixes(model, cache, prompts, reused, adapter_names, pad_id, device)
+    cache.last_prefilled = [len(p) - k + s for p, k, s in zip(prompts, reused, shared)]
+    cache.last_shared = [k - r - s for k, s, r in zip(reused, shared, reused_before)]
     run = _Forward(model, cache, adapter_names)
-    cache.reserve(max(cache.last_prefilled) + max_new_tokens, device)    # room for the whole turn
+    cache.reserve(max(len(p) - k for p, k in zip(prompts, reused)) + max_new_tokens, device)   # the whole turn
 
     # prefill: each row's new suffix, left-padded; positions continue from its cached ids
-    S = max(cache.last_prefilled)
+    S = max(len(p) - k for p, k in zip(prompts, reused))
     input_ids = torch.full((B, S), pad_id, dtype=torch.long)
     real = torch.zeros((B, S), dtype=torch.bool)
     position = torch.zeros((B, S), dtype=torch.long)
@@ -141,6 +149,72 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
         result_logp.append(logp_all[i][:end])
     cache.record(owners, [p + g[:-1] for p, g in zip(prompts, result_ids)])
     return result_ids, result_logp
+
+
+SHARE_MIN = 16     # shorter common prefixes are prefilled by every row (not worth a forward)
+
+
+def share_prefixes(model, cache: KVCache, prompts, reused, adapter_names, pad_id: int, device):
+    """Prefill each shared prompt prefix once and copy its keys/values to the rows that share it.
+
+    Rows with nothing cached (`reused` 0: a conversation's first turn) whose prompts start with
+    the same `SHARE_MIN` ids and use the same adapter form a cluster; its prefix is the ids all
+    of them share (never a prompt's last id: its logits start the turn). One row per cluster
+    (the leader) feeds the prefix, in one batch with the other leaders; the other rows get a
+    copy of the leader's keys/values and mask at those columns (the cache's rows are separate
+    buffers, so a copy, not a view; it costs memory traffic, not a forward). Returns the new
+    `reused` (ids of each prompt now cached) and, per prompt, the ids it fed for a cluster.
+    """
+    B = len(prompts)
+    names = adapter_names or [None] * B
+    buckets: dict = {}
+    for i, (p, k) in enumerate(zip(prompts, reused)):
+        if k == 0 and len(p) > SHARE_MIN:
+            buckets.setdefault((names[i], tuple(p[:SHARE_MIN])), []).append(i)
+    clusters = []
+    for rows in buckets.values():
+        if len(rows) < 2:
+            continue
+        lead = prompts[rows[0]]
+        n = min(min(common_prefix(lead, prompts[r]), len(prompts[r]) - 1) for r in rows)
+        if n >= SHARE_MIN:
+            clusters.append((rows, n))
+    shared = [0] * B
+    if not clusters:
+        return reused, shared
+    leaders = [rows[0] for rows, _ in clusters]
+    order = leaders + [i for i in range(B) if i not in set(leaders)]
+    cache.reorder(order + list(range(B, cache.rows)))        # the leaders are the front rows
+    cache.front = len(leaders)
+    run = _Forward(model, cache, None if adapter_names is None else [adapter_names[i] for i in leaders])
+    S = max(n for _, n in clusters)
+    cache.reserve(S, device)
+    input_ids = torch.full((len(leaders), S), pad_id, dtype=torch.long)
+    real = torch.zeros((len(leaders), S), dtype=torch.bool)
+    position = torch.zeros((len(leaders), S), dtype=torch.long)
+    for j, (rows, n) in enumerate(clusters):
+        input_ids[j, S - n:] = torch.tensor(prompts[rows[0]][:n])
+        real[j, S - n:] = True
+        position[j, S - n:] = torch.arange(n)
+    w0 = cache.width
+    run(input_ids.to(device), real.to(device), position.to(device))
+    cols = slice(w0, w0 + S)
+    back = {i: r for r, i in enumerate(order)}        # prompt i sits at row back[i] now
+    reused = list(reused)
+    for j, (rows, n) in enumerate(clusters):
+        dst = torch.tensor([back[r] for r in rows[1:]], device=device)
+        for buf in cache.keys + cache.values:
+            if buf is not None:
+                buf[dst, :, cols] = buf[j, :, cols].unsqueeze(0)
+        cache.mask[dst, cols] = cache.mask[j, cols].unsqueeze(0)
+        for r in rows:
+            cache.cached[back[r]] = list(prompts[r][:n])
+            reused[r] = n
+        shared[rows[0]] = n
+    inverse = [back[i] for i in range(B)]
+    cache.reorder(inverse + list(range(B, cache.rows)))      # back in the prompts' order
+    cache.front = B
+    return reused, shared
 
 
 class _Forward:
@@ -340,6 +414,7 @@ class LMSpeaker:
     """
 
     reuse_cache = True     # keep the KV cache between turns (False: re-feed the whole stream)
+    share_prefix = True    # prefill the prompt prefix shared by a batch's new conversations once
     holds_noise = True     # samples with an episode's fixed noise when it has one (envs.base.turn_noise)
 
     def __init__(self, model, tokenizer, role: str, adapter=None, temperature: float = 1.0,
@@ -403,7 +478,8 @@ class LMSpeaker:
         cache.discard(lambda ep: ep.done)           # ended episodes leave the cache
         names = [self.adapter_of(ep) for ep in episodes]
         kwargs = dict(pad_id=self.tokenizer.pad_token_id, eos_ids=self.eos, cache=cache, owners=episodes,
-                      max_new_tokens=self.max_new_tokens, temperature=self.temperature)
+                      max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                      share_prefix=self.share_prefix)
         noise = [turn_noise(ep, self.role) for ep in episodes]
         if any(n is not None for n in noise):   # the collapse meter holds this party's noise fixed
             if not all(n is not None for n in noise):
@@ -415,9 +491,10 @@ class LMSpeaker:
         else:   # a population: one batch, one adapter per row ("__base__" = no adapter);
             # a row's adapter is fixed for its episode, so its cached keys/values stay valid
             ids, logps = sample(self.model, prompts, adapter_names=[n or "__base__" for n in names], **kwargs)
-        for ep, name, fed, gen in zip(episodes, names, cache.last_prefilled, ids):
+        for ep, name, fed, copied, gen in zip(episodes, names, cache.last_prefilled, cache.last_shared, ids):
             count = ep.info.setdefault("tokens", {}).setdefault(self.role, {"prefilled": 0, "generated": 0})
             count["prefilled"] += fed
+            count["shared"] = count.get("shared", 0) + copied     # ids copied from another row's prefill
             count["generated"] += len(gen)
             count["params"] = parameter_count(self.model, name)     # N, for the FLOPs estimate
         return ids, logps

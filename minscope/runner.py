@@ -78,14 +78,15 @@ CPU_ROLLOUT_BATCH = 32                         # episodes generated at once on a
 # --------------------------------------------------------------------------- environment
 def make_env(args):
     if args.env == "p4g":
-        from .envs.p4g import P4GEnv
+        from .envs.p4g import P4GEnv, words_for_tokens
         from .envs.p4g_data import DataError
 
         if not args.data:
             raise SystemExit("--env p4g needs --data PATH (the Persuasion for Good CSV release "
                              "or a ConvoKit corpus folder)")
         try:
-            return P4GEnv(args.data, max_turns=getattr(args, "max_turns", None) or 10)
+            return P4GEnv(args.data, max_turns=getattr(args, "max_turns", None) or 10,
+                          max_words=words_for_tokens(getattr(args, "max_new_tokens", None)))
         except (FileNotFoundError, DataError) as e:   # missing data (and where to get it), or damaged
             raise SystemExit(f"error: {e}") from None
     if args.env == "tau2":
@@ -114,6 +115,10 @@ def make_env(args):
         from .envs.wordgame import WordGame
 
         return WordGame()
+    if args.env == "numbers":
+        from .envs.numbers import Numbers
+
+        return Numbers()
     raise SystemExit(f"unknown environment {args.env!r}")
 
 
@@ -193,14 +198,23 @@ class Models:
     panel: dict                   # name -> (speaker, "seen" | "unseen")
 
 
-def build_models(args, train_simulator: bool = False, panel_spec: str | None = None) -> Models:
+def build_models(args, train_simulator: bool = False, panel_spec: str | None = None,
+                 partner=None) -> Models:
     """Load the policy, the simulator and the panel named by train.py's `args`.
 
     train_simulator: add a trainable "simulator" adapter on the simulator's base
     (Co-Training). panel_spec overrides `args.panel`. The frozen training simulator is
     the simulator's base with adapters disabled; it is also the panel's first member.
+    partner: the environment's scripted partner (`Environment.scripted_partner`): it is the
+    training partner and the whole panel, and no simulator model is loaded.
     """
     bits = dict(load_in_4bit=args.load_in_4bit)
+    if partner is not None:
+        policy_model, tok = load_model(resolve_path(args.policy), **bits)
+        policy_model = add_adapters(policy_model, ["policy"])
+        policy = LMSpeaker(policy_model, tok, "agent", adapter="policy", temperature=SAMPLING_TEMPERATURE,
+                           max_new_tokens=args.max_new_tokens, name="policy")
+        return Models(policy_model, tok, None, None, policy, [partner], {partner.name: (partner, "seen")})
     served_sim = is_spec(args.simulator)      # openai:MODEL@URL: nothing to load for it here
     if served_sim and train_simulator:
         raise SystemExit(f"--simulator {args.simulator}: a served simulator cannot be trained; Co-Training "
@@ -389,6 +403,15 @@ def check_args(args, env):
         print(f"note: {env.name} is not symmetric; with --method population-selfplay snapshots of the "
               f"policy play the {env.partner_name} (the policy learns from its own turns only)",
               file=sys.stderr)
+    if env.scripted_partner() is not None:
+        args.scripted_partner = env.partner_name        # config.json says who played the partner
+        if args.method != "single":
+            raise SystemExit(f"--env {env.name} plays its own scripted {env.partner_name}: only --method "
+                             f"single applies (the other methods change the simulator), not {args.method}")
+        for key in ("simulator", "panel"):
+            if getattr(args, key, None):
+                raise SystemExit(f"--env {env.name} plays its own scripted {env.partner_name}; "
+                                 f"--{key} does not apply")
     personas = persona_bank(args, env)
     check_served(args)
     args.policy, args.simulator, args.data = resolve_path(args.policy), resolve_path(args.simulator), resolve_path(args.data)
@@ -427,11 +450,13 @@ def build_real_method(args, env, personas):
     """Load the models (policy, simulator, panel) and assemble the method."""
     torch.manual_seed(0)
     random.seed(0)
-    models = build_models(args, train_simulator=args.method in TRAINS_SIMULATOR)
+    models = build_models(args, train_simulator=args.method in TRAINS_SIMULATOR, partner=env.scripted_partner())
     frozen = models.frozen
     if args.method == "ensemble":           # the seen panel members are the training ensemble
         frozen = [p for p, kind in models.panel.values() if kind == "seen"]
-    ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=SAMPLING_TEMPERATURE, beta=0.005)
+    # skip_zero_signal: a step whose groups all have equal rewards runs no update (DESIGN_NOTES)
+    ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=SAMPLING_TEMPERATURE, beta=0.005,
+                skip_zero_signal=True)
     method = build_method(args.method, models.policy, frozen, UpdateConfig(lr=args.lr, **ucfg),
                           UpdateConfig(lr=args.sim_lr, **ucfg),
                           sim_model=models.sim_model if args.method in TRAINS_SIMULATOR else None,
@@ -555,6 +580,15 @@ def evaluate_and_save(env, models, method, tasks, split, step, run_dir, best,
     return rec, best
 
 
+def reward_curve(records: list[dict]) -> list[str]:
+    """The run's learning curve in two lines: the training reward of every step, and the
+    panel mean of every evaluation."""
+    train = [f"{r['train_reward']:.2f}" for r in records if r.get("kind") == "train"]
+    evals = [f"{r['step']}: {r['panel_mean']:.3f}" for r in records if r.get("kind") == "eval"]
+    return [f"training reward per step: {' '.join(train) or '-'}",
+            f"evaluation (panel mean) at step: {', '.join(evals) or '-'}"]
+
+
 def run_real(args):
     """Train a real-model run; under `torchrun --nproc_per_node N` every rank plays its
     share of each step's groups and rank 0 alone evaluates and writes (minscope.distributed)."""
@@ -611,8 +645,9 @@ def run_real(args):
         log.write(json.dumps(rec) + "\n")
         log.flush()
     with (log_path.open("a") if main else open(os.devnull, "w")) as log:
-        for step in tqdm(range(start, args.steps + 1), desc=f"{args.env}/{args.method}", initial=start,
-                         total=args.steps + 1, disable=not main):
+        bar = tqdm(range(start, args.steps + 1), desc=f"{args.env}/{args.method}", initial=start,
+                   total=args.steps + 1, disable=not main)
+        for step in bar:
             if main and (step % args.eval_every == 0 or step == args.steps):
                 with rollout_batch(chunk):
                     rec, best = evaluate_and_save(env, models, method, test_tasks[: args.groups], split, step,
@@ -642,7 +677,10 @@ def run_real(args):
                 metrics.update(env.step_metrics(episodes))
             metrics = distributed.merge_metrics(metrics)
             log_with_alarms(monitor, metrics, write, tqdm.write)
+            bar.set_postfix(reward=f"{metrics['train_reward']:.3f}")
             save_state(state_path, step, models, method, best)
+    if main:
+        say("\n".join(reward_curve(read_jsonl(log_path, warn=lambda msg: None))))
     say(f"done: {run_dir}")
     distributed.cleanup()
     return run_dir

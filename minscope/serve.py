@@ -260,8 +260,9 @@ class Generator:
             idx = [i for i, r in enumerate(rows) if r[1] == temp]
             cap = max(rows[i][2] for i in idx)
             with use_adapter(self.model, self.adapter):
+                # share_prefix: the rows of one group share their system prompt and persona
                 ids, _ = sample(self.model, [rows[i][0] for i in idx], self.tokenizer.pad_token_id, self.eos,
-                                cap, temperature=temp if temp >= MIN_TEMPERATURE else 0.0)
+                                cap, temperature=temp if temp >= MIN_TEMPERATURE else 0.0, share_prefix=True)
             self.batches += 1
             for i, gen in zip(idx, ids):
                 gen = gen[:rows[i][2]]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import distributed
+from . import distributed, prefix
 from .errors import RunStopped
 from .grpo import aggregation_weights, kl_log_ratio, token_loss
 from .logprobs import fused_grpo_token_loss, token_logprobs
@@ -45,6 +45,14 @@ class UpdateConfig:
     temperature: float = 1.0     # the sampling temperature the tokens were drawn with
     weight_decay: float = 0.1
     logprob_backend: str = "auto"   # LM-head kernels: auto | torch | triton | cublas (see logprobs)
+    # skip the whole update (policy forward/backward, reference pass, optimiser step) when every
+    # advantage is 0: no group carries a reward signal, and only the KL term (beta) and AdamW's
+    # momentum/weight decay would move the adapter (see DESIGN_NOTES, "Updates without signal").
+    # Off by default (the paper's update); real-model runs (runner.build_real_method) turn it on.
+    skip_zero_signal: bool = False
+    # compute each micro-batch's shared prompt prefix once (minscope/prefix.py): the same loss
+    # and gradients, fewer forward tokens
+    prefix_sharing: bool = True
 
 
 def make_optimizer(model, adapter: str, cfg: UpdateConfig):
@@ -61,13 +69,32 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float, adap
                               backend=backend)
 
 
+def skipped_update(episodes, key: str, pad_id: int, reason: str) -> dict:
+    """The statistics of an update that was not run (`UpdateConfig.skip_zero_signal`): nothing
+    was fed forward or back; the statistics that only a forward pass measures are None."""
+    batch = training_batch(episodes, key, pad_id)     # (the same checks as a real update)
+    return {"loss": 0.0, "clip_frac": 0.0, "kl": None, "entropy": None, "grad_norm": 0.0,
+            "tokens": int(batch.loss_mask.sum().item()), "tokens_fed": 0, "tokens_trained": 0,
+            "tokens_forward": 0, "tokens_forward_plain": 0, "skipped_steps": 0,
+            "skipped_update": True, "skip_reason": reason}
+
+
+def zero_signal(advantages: torch.Tensor) -> bool:
+    """True when no episode has a nonzero advantage (every group's rewards were equal)."""
+    return not bool((advantages != 0).any())
+
+
 def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: torch.Tensor,
                 cfg: UpdateConfig, pad_id: int) -> dict:
     """One GRPO step on adapter `adapter` from the `key` party's tokens of `episodes`.
 
     advantages: [len(episodes)], one per episode. Returns the statistics averaged over the epochs
     whose update was applied (a skipped, non-finite epoch is counted in `skipped_steps`, not averaged in).
+    With `cfg.skip_zero_signal` and every advantage 0, nothing is computed: the statistics say
+    `skipped_update: True` and why.
     """
+    if cfg.skip_zero_signal and zero_signal(distributed.all_sum(advantages.abs().sum()).reshape(1)):
+        return skipped_update(episodes, key, pad_id, "every advantage is 0 (no group's rewards differ)")
     batch = training_batch(episodes, key, pad_id)
     device = next(model.parameters()).device
     adv = advantages[batch.index].to(device)                                     # [B]
@@ -75,12 +102,14 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     mask, old = batch.loss_mask.to(device), batch.old_logp.to(device)
     weights = aggregation_weights(mask, cfg.aggregation, cfg.max_len)                # [B, T-1]
     weights = distributed.rescale_weights(weights, mask, cfg.aggregation, cfg.max_len)   # torchrun: whole batch
+    units = update_units(model, ids, attn, mask, cfg)
     ref = None
     if cfg.beta:   # the reference model = the base with adapters disabled (micro-batched too)
+        ref = torch.zeros_like(old)
         with torch.no_grad():
-            ref = torch.cat([sequence_logprobs(model, ids[s:s + cfg.micro_batch], attn[s:s + cfg.micro_batch],
-                                               cfg.temperature, adapter=None, backend=cfg.logprob_backend)
-                             for s in range(0, ids.shape[0], cfg.micro_batch)])
+            for rows, p, n in units:
+                ref[rows, p:n - 1] = unit_logprobs(model, ids[rows, :n], attn[rows, :n], p, cfg.temperature,
+                                                   adapter=None, backend=cfg.logprob_backend)
     # this adapter's parameters, kept as a list: peft flips requires_grad whenever the active
     # adapter changes (use_adapter restores the model's default on exit), so it cannot tell
     params = trainable_parameters(model, adapter)
@@ -92,15 +121,15 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
         optimizer.zero_grad(set_to_none=True)
         epoch = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0}
         finite = True
-        for s in range(0, ids.shape[0], cfg.micro_batch):
-            sl = slice(s, s + cfg.micro_batch)
+        for rows, p, n in units:
+            sl = (rows, slice(p, n - 1))          # the unit's loss positions (those before p carry none)
             ref_sl = None if ref is None else ref[sl]
-            adv_tok = adv[sl, None].expand_as(old[sl])
+            adv_tok = adv[rows, None].expand_as(old[sl])
             with use_adapter(model, adapter):
-                hidden = final_hidden_states(model, ids[sl], attn[sl])[:, :-1]  # [b, T-1, H]
+                hidden = prefix.hidden_states(model, ids[rows, :n], attn[rows, :n], p)[:, :-1]  # [b, n-1-p, H]
                 # weights already hold the batch normaliser; logp and ent come back detached
                 loss, logp, ent = fused_grpo_token_loss(
-                    hidden, output_embedding(model), ids[sl, 1:], old[sl], ref_sl, adv_tok, weights[sl],
+                    hidden, output_embedding(model), ids[rows, p + 1:n], old[sl], ref_sl, adv_tok, weights[sl],
                     cfg.eps_low, cfg.eps_high, cfg.beta, cfg.temperature, backend=cfg.logprob_backend)
                 # backward inside the block: with activation checkpointing the layers are
                 # recomputed now, and must see the same adapter as in the forward pass
@@ -112,7 +141,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
             epoch["clip_frac"] += (clipped & m).sum().item() / n_tok.item()
             epoch["entropy"] += (ent * mask[sl]).sum().item() / n_tok.item()
             if ref is not None:
-                d = kl_log_ratio(ref[sl], logp.detach(), mask[sl])   # no exp where untrained
+                d = kl_log_ratio(ref_sl, logp.detach(), mask[sl])   # no exp where untrained
                 epoch["kl"] += ((d.exp() - d - 1) * mask[sl]).sum().item() / n_tok.item()
         distributed.all_reduce_grads(params)      # torchrun: the whole batch's gradient on every rank
         epoch, finite = distributed.sum_stats(epoch), distributed.all_true(finite)
@@ -132,10 +161,32 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
         sums = {k: v / applied for k, v in sums.items()}
     sums["tokens"] = int(n_tok.item())
     # this process's batch, per pass (the compute estimate, minscope/compute.py): the real
-    # tokens each epoch feeds forward and back, and the trained ones among them
-    sums["tokens_fed"], sums["tokens_trained"] = int(attn.sum().item()), int(mask.sum().item())
+    # tokens each epoch feeds forward and back (a shared prefix once per unit), and the
+    # trained ones among them; tokens_forward_plain: what feeding every row whole would take
+    sums["tokens_fed"], sums["tokens_trained"] = prefix.fed_tokens(attn, units), int(mask.sum().item())
+    sums["tokens_forward"], sums["tokens_forward_plain"] = sums["tokens_fed"], int(attn.sum().item())
     sums["skipped_steps"] = skipped
+    sums["skipped_update"] = False
     return sums
+
+
+def update_units(model, ids, attn, mask, cfg: UpdateConfig):
+    """The update's forward units (rows, shared prefix length, padded length): shared prompt
+    prefixes (minscope/prefix.py) with `cfg.prefix_sharing`, else plain micro-batches of the
+    whole padded width (the path before prefix sharing)."""
+    if cfg.prefix_sharing and prefix.supported(model):
+        return prefix.plan(ids, attn, mask, cfg.micro_batch)
+    B, T = ids.shape
+    return [(list(range(s, min(s + cfg.micro_batch, B))), 0, T) for s in range(0, B, cfg.micro_batch)]
+
+
+def unit_logprobs(model, input_ids, attention_mask, shared: int, temperature: float, adapter,
+                  backend: str = "auto"):
+    """Log-probs [b, T-1-shared] of the next tokens after position `shared` (prefix.hidden_states)."""
+    with use_adapter(model, adapter):
+        hidden = prefix.hidden_states(model, input_ids, attention_mask, shared)[:, :-1]
+        return token_logprobs(hidden, output_embedding(model), input_ids[:, shared + 1:], temperature=temperature,
+                              backend=backend)
 
 
 MAX_NONFINITE_IN_A_ROW = 3

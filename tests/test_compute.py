@@ -35,12 +35,15 @@ def test_parameter_count_is_the_base_plus_the_one_adapter_in_use(tokenizer):
 def test_a_cotraining_step_counts_its_streams_tokens_and_flops(policy, tokenizer):
     """WordGame: one simulator turn, then one policy turn. Each party's stream holds exactly what
     it was fed plus what it sampled, so the counts follow from the streams: prefilled = stream
-    length - sampled; trained = sampled tokens x epochs; every pass feeds the whole stream."""
+    length - sampled - the ids copied from a shared prefix (rollout.share_prefixes); trained =
+    sampled tokens x epochs; with the update's prefix sharing off, every pass feeds the whole
+    stream (tests/test_prefix.py checks the shared counts)."""
     from minscope.sft import encode_chat, pad_batch
 
     sim_model = add_adapters(build_tiny_model(tokenizer, "qwen3", hidden_size=32, seed=1), ["simulator"],
                              init_lora_weights=False)
-    pcfg, scfg = UpdateConfig(lr=1e-3, epochs=2, beta=0.04), UpdateConfig(lr=1e-3, epochs=3)
+    pcfg = UpdateConfig(lr=1e-3, epochs=2, beta=0.04, prefix_sharing=False)
+    scfg = UpdateConfig(lr=1e-3, epochs=3, prefix_sharing=False)
     m = build_method("cotrain", policy, [], pcfg, scfg, sim_model=sim_model, sim_tokenizer=tokenizer,
                      sim_reward="cooperative")
     conv = [{"role": "user", "content": "give"}, {"role": "assistant", "content": "no thanks"}]
@@ -54,15 +57,17 @@ def test_a_cotraining_step_counts_its_streams_tokens_and_flops(policy, tokenizer
     length = {k: sum(len(s.ids) for s in v) for k, v in streams.items()}
     assert sampled["agent"] == sum(len(t.token_ids) for ep in eps for t in ep.turns if t.role == "agent") > 0
     assert (c["policy_decoded"], c["sim_decoded"]) == (sampled["agent"], sampled["partner"])
-    assert (c["policy_prefilled"], c["sim_prefilled"]) == (length["agent"] - sampled["agent"],
-                                                          length["partner"] - sampled["partner"])
+    copied = {k: sum(ep.info["tokens"][k]["shared"] for ep in eps) for k in ("agent", "partner")}
+    assert (c["policy_prefilled"], c["sim_prefilled"]) == (length["agent"] - sampled["agent"] - copied["agent"],
+                                                          length["partner"] - sampled["partner"] - copied["partner"])
     anchor_fed, anchor_trained = int(anchor[1].sum()), int(anchor[2][:, 1:].sum())
     assert c["policy_trained"] == 2 * sampled["agent"] and c["policy_backprop"] == 2 * length["agent"]
     assert c["sim_trained"] == 3 * sampled["partner"] + anchor_trained
     assert c["sim_backprop"] == 3 * length["partner"] + anchor_fed
     assert c["ref_forward"] == length["agent"]              # the policy's KL pass; the simulator has beta 0
     n_pol, n_sim = parameter_count(policy.model, "policy"), parameter_count(sim_model, "simulator")
-    assert c["rollout_flops"] == 2 * n_pol * length["agent"] + 2 * n_sim * length["partner"]
+    assert c["rollout_flops"] == (2 * n_pol * (length["agent"] - copied["agent"])
+                                  + 2 * n_sim * (length["partner"] - copied["partner"]))
     assert c["update_flops"] == (6 * n_pol * 2 * length["agent"] + 2 * parameter_count(policy.model) * length["agent"]
                                  + 6 * n_sim * (3 * length["partner"] + anchor_fed))
     assert c["flops"] == c["rollout_flops"] + c["update_flops"]

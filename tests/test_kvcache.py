@@ -155,8 +155,9 @@ def test_rollout_streams_train_on_the_logprobs_they_were_sampled_with(tiny_model
         for role, count in ep.info["tokens"].items():
             stream = ep.info["streams"][role]
             assert count["generated"] == sum(len(t.token_ids) for t in ep.turns if t.role == role)
-            if stream.exact:     # each id fed once; each turn's last sampled id fed again next turn
-                assert count["prefilled"] + count["generated"] - n[role] + 1 == len(stream.ids)
+            if stream.exact:     # each id fed once (or copied from a shared prefix, rollout.share_prefixes);
+                # each turn's last sampled id fed again next turn
+                assert count["prefilled"] + count["shared"] + count["generated"] - n[role] + 1 == len(stream.ids)
 
 
 def test_the_cache_lives_for_one_rollout_only(tiny_model, tokenizer):

@@ -267,3 +267,17 @@ def test_the_batched_exploit_values_read_what_one_rollout_per_sequence_reads():
     values = sequence_values(member, W, seqs, episodes=8)
     assert values == {name: sequence_value(member, W, seq, episodes=8) for name, seq in seqs.items()}
     assert len(set(values.values())) > 1           # the sequences differ: a mix-up would show
+
+
+def test_steps_with_a_skipped_update_still_count_for_zero_variance():
+    """A skipped update (UpdateConfig.skip_zero_signal) logs no entropy; its zero-variance share
+    still enters the window, and the entropy alarm reads the steps that measured one."""
+    recs = [train(s, reward=0.5, entropy=1.0, zero_var=0.2) for s in range(3)]
+    recs += [dict(train(s, reward=0.5, entropy=1.0, zero_var=1.0), policy_entropy=None) for s in range(3, 8)]
+    mon, alarms = run(recs)
+    assert [a["signal"] for a in alarms] == ["zero_var"]
+    recs = [train(s, reward=0.5, entropy=1.0, zero_var=0.0) for s in range(5)]
+    recs += [dict(train(s, reward=0.5, entropy=0.1, zero_var=0.0), policy_entropy=None if s % 2 else 0.1)
+             for s in range(5, 15)]
+    mon, alarms = run(recs)
+    assert [a["signal"] for a in alarms] == ["entropy"]

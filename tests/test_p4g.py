@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minscope.envs.base import Episode, Turn
-from minscope.envs.p4g import P4GEnv, episode_donation, is_donation_ask, parse_donation
+from minscope.envs.p4g import (PERSUADEE_PROMPT, P4GEnv, episode_donation, is_donation_ask, parse_donation,
+                               words_for_tokens)
 from minscope.envs.p4g_data import (DataError, P4GDataNotFound, clean_survey, load_p4g, persona_split,
                                     render_persona)
 
@@ -284,6 +285,72 @@ def test_episode_donation_is_the_last_amount_across_turns():
     ep = episode(("agent", "Hi!"), ("partner", "[DONATE $0.5]"),
                  ("agent", "Thanks! Could you do $1?"), ("partner", "Alright. [DONATE $1]"))
     assert episode_donation(ep) == 1.0
+
+
+# What SmolLM2-135M wrote as the persuadee in a learning run, each read as a $2 pledge before:
+# the persuadee repeating the prompt or narrating, not deciding.
+NOT_PLEDGES = [
+    "[Donate $2 to Save the Children]\n\nDecision style: fairness",       # no "]" right after the amount
+    "[Donate $2 to Save",                                                  # no closing bracket at all
+    "[DONATE $2",
+    "Donate $2 to Save the Children, a nonprofit organization dedicated to helping children and their "
+    "families, and in your opinion",                                       # an imperative
+    "Please donate $1 to Save the Children.",
+    "The Character (SHOP-OPERER) smiles and tells them to donate $2 to the Help the LARGAMMY.",  # narrated
+    "...tells them to donate $2 to the Help the",
+    "They give $2 every year to the charity.",
+    'My friend said "I will donate $2 today" and left.',                   # quoted
+    "He wrote \u201cI'll give $1\u201d on the form.",
+]
+
+
+@pytest.mark.parametrize("text", NOT_PLEDGES)
+def test_echoes_imperatives_narration_and_quotes_are_not_pledges(text):
+    assert parse_donation(text) is None
+
+
+@pytest.mark.parametrize("text,amount", [
+    ("[DONATE $2]", 2.0), ("Sure. [DONATE $0.50]", 0.5), ("[ give : $1 ]", 1.0), ("[DONATE $1.50 ]", 1.5),
+    ("I will donate $2 to Save the Children.", 2.0), ("Thank you, I'll give $1.", 1.0),
+    ("Ok, give $1 from me? No: I'll give 50 cents.", 0.5), ("Yes, I'd like to donate $0.30 today.", 0.3),
+])
+def test_the_persuadees_own_pledges_still_read(text, amount):
+    assert parse_donation(text) == pytest.approx(amount)
+
+
+def test_a_persuadee_sentence_that_echoes_the_persuader_is_not_read():
+    ask = "Please consider giving $2 to Save the Children today, it feeds a child for a week."
+    echo = episode(("agent", ask), ("partner", "Consider giving $2 to Save the Children today."))
+    assert parse_donation(echo.turns[1].text) == 2.0          # read alone, it is a pledge ...
+    assert episode_donation(echo) is None                      # ... in the episode, an echo
+    own = episode(("agent", "Would you donate $2 to Save the Children?"),
+                  ("partner", "I will donate $2 to Save the Children."))
+    assert episode_donation(own) == 2.0                         # the persuadee's own words
+    later = episode(("agent", ask), ("partner", "Consider giving $2 to Save the Children today. [DONATE $1]"))
+    assert episode_donation(later) == 1.0
+
+
+def test_a_persuadee_repeating_its_instructions_states_nothing():
+    parrot = "If you decide to give, state the amount with a tag: [DONATE $N] (or [GIVE $N]), for example [DONATE $0.50]"
+    ep = episode(("agent", "Hello! Would you give to Save the Children?"), ("partner", parrot))
+    assert parse_donation(parrot) == 0.5
+    assert episode_donation(ep, PERSUADEE_PROMPT) is None
+    env = P4GEnv(CSV, split="all", max_turns=2)
+    ep.task = env.tasks()[0]
+    reward, info = env.score(ep)                                # the reward reads it so
+    assert reward == 0.0 and not info["donation_stated"]
+
+
+def test_the_word_limit_follows_the_turn_budget():
+    assert words_for_tokens(None) == words_for_tokens(128) == 60
+    assert words_for_tokens(24) == 10 and words_for_tokens(4) == 3
+    import argparse
+
+    from minscope.runner import make_env
+
+    env = make_env(argparse.Namespace(env="p4g", data=str(CSV), max_turns=2, max_new_tokens=24))
+    assert "under 10 words" in env.partner_messages(env.tasks("all")[0])[0]["content"]
+    assert "under 10 words" in env.agent_messages(env.tasks("all")[0])[0]["content"]
 
 
 def test_donation_ask_needs_a_request_and_money():

@@ -174,6 +174,52 @@ def test_one_grpo_step_moves_the_policy_adapter_only(smol, p4g_episodes):
     assert all(torch.equal(before["simulator"][k], after["simulator"][k]) for k in before["simulator"])
 
 
+def test_shared_prompt_prefixes_change_neither_the_episodes_nor_the_update(smol, p4g_episodes):
+    """Prefix sharing (rollout.share_prefixes, minscope/prefix.py) on SmolLM2: the same P4G
+    episodes as a rollout that prefills every row whole (same seed), and the same loss and
+    gradients as an update that feeds every row whole, for both parties' streams."""
+    import copy
+
+    model, tok = smol
+    env = P4GEnv(P4G_CSV, split="all", max_turns=4)
+    torch.manual_seed(0)
+    policy = LMSpeaker(model, tok, "agent", adapter="policy", temperature=0.7, max_new_tokens=6)
+    partner = Frozen(model, tok, adapter=None, temperature=0.7, max_new_tokens=6)
+    policy.share_prefix = partner.share_prefix = False
+    whole = rollout(env, env.tasks()[:1], policy, partner, group_size=2)
+    for a, b in zip(p4g_episodes, whole):
+        assert [t.text for t in a.turns] == [t.text for t in b.turns]
+        for key in ("agent", "partner"):
+            assert a.info["streams"][key].ids == b.info["streams"][key].ids
+    fed = [sum(ep.info["tokens"][k]["prefilled"] for ep in eps for k in ("agent", "partner"))
+           for eps in (p4g_episodes, whole)]
+    assert fed[0] < 0.7 * fed[1]
+    saved = adapter_state(model, "policy")
+    try:
+        gen = torch.Generator().manual_seed(0)         # a nonzero adapter: gradients reach both LoRA factors
+        load_adapter_state(model, "policy", {k: torch.randn(v.shape, generator=gen) * 0.02 for k, v in saved.items()})
+        for key in ("agent", "partner"):
+            results = []
+            for sharing in (False, True):
+                cfg = UpdateConfig(lr=0.0, beta=0.005, micro_batch=2, temperature=0.7, prefix_sharing=sharing)
+                opt = make_optimizer(model, "policy", cfg)
+                grads = []
+                opt.step = lambda *a, o=opt, g=grads: g.extend(p.grad.detach().clone() for p in o.param_groups[0]["params"])
+                stats = grpo_update(model, "policy", opt, p4g_episodes, key, torch.tensor([1.0, -1.0]), cfg,
+                                    tok.pad_token_id)
+                results.append((copy.deepcopy(stats), grads))
+            (plain, g0), (shared, g1) = results
+            assert shared["tokens_forward"] < 0.7 * plain["tokens_forward"], key
+            for k in ("loss", "kl", "entropy", "grad_norm"):
+                assert shared[k] == pytest.approx(plain[k], rel=5e-4, abs=1e-6), (key, k)
+            worst = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in zip(g0, g1))
+            assert worst < 1e-3, (key, worst)        # measured: see docs/REAL_MODELS.md
+            print(f"{key}: loss {plain['loss']:.6g} vs {shared['loss']:.6g}; largest gradient difference "
+                  f"{worst:.2e} of the tensor's largest entry")
+    finally:
+        load_adapter_state(model, "policy", saved)
+
+
 def lora_bytes(config, r=8) -> int:
     """fp32 bytes of one rank-r LoRA adapter on every linear layer of a Llama body."""
     h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim

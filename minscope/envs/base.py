@@ -5,7 +5,9 @@ An environment never imports the trainer or the simulators. It says, for a task:
     usually one system message; `agent_tools`: JSON tool schemas for the agent's template),
   - who speaks first, and after every turn who speaks next, or that the episode is over
     (`after_turn`, which may also inject environment turns such as tool results),
-  - the reward (`score`), and which simulator reward Co-Training uses by default.
+  - the reward (`score`), and which simulator reward Co-Training uses by default,
+  - optionally, a scripted partner of its own (`scripted_partner`): then train.py plays
+    that partner instead of a simulator LM (WordGame, Numbers).
 
 Roles inside an episode are always "agent" (the policy being trained), "partner" (the user
 simulator, or a second agent in symmetric tasks) and "env" (tool results and other
@@ -106,6 +108,12 @@ class Environment:
 
     def first_speaker(self, task) -> str:
         return "agent"
+
+    def scripted_partner(self):
+        """The environment's own partner (a speaker: `respond(episodes, env)`), when it has one;
+        train.py then trains the policy against it instead of a simulator LM. None: the partner
+        is a simulator LM."""
+        return None
 
     def after_turn(self, episode: Episode) -> Step:
         generated = sum(t.role != "env" for t in episode.turns)

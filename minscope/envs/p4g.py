@@ -11,7 +11,8 @@ Choices made here:
     has the last word). They do not end at the first tag, because the last amount stated
     counts and a persuadee may revise a pledge.
   - `max_words` is a per-message word cap stated in both prompts; the rollout engine's
-    per-turn token cap is the hard limit. Messages are not cut here, since cutting could
+    per-turn token cap is the hard limit, and train.py states a cap that fits it
+    (`words_for_tokens`: a decision tag must fit in a turn). Messages are not cut here, since cutting could
     drop a donation tag at the end of a message.
   - Tasks are persuadee personas (one per user id), split train/test by a hash of the id
     (`persona_split`); held-out evaluation uses `tasks("test")` only.
@@ -29,6 +30,19 @@ from minscope.envs.base import Environment, Episode
 from minscope.envs.p4g_data import load_p4g, persona_split, render_persona
 
 MAX_DONATION = 2.0
+MAX_WORDS = 60            # the per-message word limit the prompts state, for long enough turns
+TAG_TOKENS = 10           # "[DONATE $0.50]" is 10 tokens for SmolLM2's tokenizer
+TOKENS_PER_WORD = 1.3     # chat English is about 1.1 for SmolLM2's tokenizer; some room
+
+
+def words_for_tokens(max_new_tokens: int | None) -> int:
+    """The per-message word limit to state in the prompts when a turn is cut at
+    `max_new_tokens` tokens: the words and a `[DONATE $N]` tag must fit, so that a persuadee
+    that follows the prompt can state its decision before the cut. MAX_WORDS (60) from 88
+    tokens up (train.py's default 128 included), 10 at 24 tokens, never under 3."""
+    if not max_new_tokens:
+        return MAX_WORDS
+    return max(3, min(MAX_WORDS, int((max_new_tokens - TAG_TOKENS) / TOKENS_PER_WORD)))
 
 
 # ------------------------------------------------------------------- donation parsing
@@ -49,7 +63,14 @@ MAX_DONATION = 2.0
 #     donate", "I won't donate $2"), unless its object is partial ("I can't give more",
 #     "... all of it": no amount stated) or a later amount follows ("I can't give $2, but
 #     I'll give $1" is $1); "I'd rather keep it" is a refusal too;
-#   - "0.50 cents" means fifty cents (nobody pledges part of a cent).
+#   - "0.50 cents" means fifty cents (nobody pledges part of a cent);
+#   - what is not the persuadee's own statement is not read: an amount inside double quotes
+#     ("He said \"donate $2\""), a giving verb addressed to or done by someone else
+#     ("tells them to donate $2", "you give $2"), an imperative ("Donate $2 to Save the
+#     Children"); a tag needs its closing bracket right after the amount ("[Donate $2 to
+#     Save the Children]" is not a tag). Over a whole episode (`episode_donation`) a
+#     persuadee sentence that repeats the persuader's messages or its own instructions
+#     (`is_echo`) is dropped before reading, tags included.
 #
 # Any text parses without an exception in time linear in its length: a number never starts
 # inside a run of digits and its digits are matched possessively (no backtracking into
@@ -61,7 +82,7 @@ MAX_DONATION = 2.0
 MAX_PLAIN_CHARS = 10_000
 
 _NUM = r"(?<!\d)(\d++(?:\.\d++)?+|\.\d++)"
-_TAG = re.compile(r"\[\s*+(?:donate|give)\s*+:?\s*+\$?\s*+" + _NUM + r"(\s*cents?)?", re.I)
+_TAG = re.compile(r"\[\s*+(?:donate|give)\s*+:?\s*+\$?\s*+" + _NUM + r"(\s*+cents?)?\s*+\]", re.I)
 _SMALL = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7,
           "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "fifteen": 15,
           "twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60,
@@ -135,6 +156,13 @@ _PAST_GIVING = _rx(r"(?<!would\s)(?<!will\s)(?<!could\s)(?<!can\s)(?<!to\s)",   
                    r"\b(?:donated|gave|contributed",
                    r"|(?:have|has|had|i'?ve|we'?ve)\s+(?:already\s+|also\s+|just\s+)?(?:donated|given|contributed)",
                    r"|used\s+to\s+(?:donate|give|contribute))\b")
+# Giving by someone else: the object of "you/they/them ... give" is not the persuadee's gift.
+_OTHER_GIVER = _rx(r"(?<!thank\s)\b(?:you|they|he|she|them|him|her|people|everyone|others|someone)\s+",
+                   r"(?:[a-z']+\s+){0,3}?(?:donate|donating|give|giving|contribute|contributing)\b")
+# An imperative: a sentence that opens with the giving verb tells someone else to give.
+_IMPERATIVE = _rx(r"^\W*(?:(?:please|so|ok|okay|just|now|then|and|go|yes)\W+)*",
+                  r"(?:donate|give|contribute|pledge)\b")
+_QUOTED = re.compile(r'"[^"\n]*+"|\u201c[^\u201d\n]*+\u201d')
 _REFUSAL = _rx(r"\b(?:no\s+donation|(?:donate|give)\s+(?:nothing|zero)|nothing\s+to\s+(?:donate|give)",
                r"|keep\s+(?:all\b|it\b|my\b|the\s+(?:whole|full|entire|money|\$?2))",
                r"|i'?ll\s+pass\b|i\s+will\s+pass\b",
@@ -187,7 +215,9 @@ def _statement_events(sentence: str) -> list[tuple[int, float]]:
     events += [(m.start(), 0.0) for m in refusals]
     if _INTENT.search(sentence):
         past = list(_PAST_GIVING.finditer(sentence))
-        blockers = [(b, [m.end() for m in b]) for b in (negations, refusals, past)]
+        others = list(_OTHER_GIVER.finditer(sentence)) + list(_IMPERATIVE.finditer(sentence))
+        others.sort(key=lambda m: m.start())
+        blockers = [(b, [m.end() for m in b]) for b in (negations, refusals, past, others)]
         taken = bytearray(len(sentence))    # 1 where an earlier pattern already read an amount
         for pattern, value in _AMOUNTS:
             for m in pattern.finditer(sentence):
@@ -198,7 +228,8 @@ def _statement_events(sentence: str) -> list[tuple[int, float]]:
                 if _is_base(sentence, start):
                     continue          # "$1 of my $2": the $2 is the base, not a gift
                 if any(_is_object_of(sentence, start, b, ends) for b, ends in blockers):
-                    continue          # "I can't give $2", "keep my full $2", "I gave $5": not this gift
+                    continue          # "I can't give $2", "keep my full $2", "I gave $5", "Donate $2":
+                                      # not this persuadee's gift
                 events.append((start, value(m)))
     return sorted(events)
 
@@ -224,7 +255,7 @@ def parse_donation(text: str) -> float | None:
         last = tags[-1]
         return _clamp(_cents(last[1]) if last[2] else float(last[1]))
     last = None
-    for sentence in _SENTENCE.split(_last_sentences(text)):
+    for sentence in _SENTENCE.split(_QUOTED.sub(" ", _last_sentences(text))):
         if not sentence.strip() or (sentence.rstrip().endswith("?") and _QUESTION.match(sentence)):
             continue
         events = _statement_events(sentence)
@@ -233,10 +264,49 @@ def parse_donation(text: str) -> float | None:
     return None if last is None else _clamp(last)
 
 
-def episode_donation(episode: Episode) -> float | None:
+_WORDS = re.compile(r"\$?\d+(?:\.\d+)?|[a-z]+(?:'[a-z]+)?")
+_FIRST_PERSON = frozenset("i i'll i'm i'd i've me my mine myself im ill id ive".split())
+ECHO_OVERLAP = 0.6        # share of a sentence's word pairs found in the source that makes it an echo
+
+
+def _word_pairs(text: str) -> list[tuple[str, str]]:
+    words = _WORDS.findall(text.lower().replace("\u2019", "'"))
+    return list(zip(words, words[1:]))
+
+
+def is_echo(sentence: str, source_pairs: set) -> bool:
+    """Whether `sentence` repeats or closely paraphrases the source text whose word pairs
+    are `source_pairs`: it has at least 3 word pairs, at least ECHO_OVERLAP of them occur in
+    the source, and it does not speak in the first person. "I will donate $2 to Save the
+    Children" after "Would you donate $2 to Save the Children?" is the persuadee's own
+    statement, and so is "I would like to donate $0.30" after a persuader who said the same
+    of themselves (human persuadees mirror their partner this way); a first-person sentence
+    that gives through someone else ("I hope you donate $2") is not read anyway."""
+    pairs = _word_pairs(sentence)
+    if len(pairs) < 3 or any(w in _FIRST_PERSON for p in pairs for w in p):
+        return False
+    return sum(p in source_pairs for p in pairs) >= ECHO_OVERLAP * len(pairs)
+
+
+def strip_echoes(text: str, sources: list[str]) -> str:
+    """`text` without the sentences that echo `sources` (`is_echo`)."""
+    pairs = {p for src in sources for p in _word_pairs(src)}
+    if not pairs:
+        return text
+    return "\n".join(s for s in _SENTENCE.split(text) if s.strip() and not is_echo(s, pairs))
+
+
+def episode_donation(episode: Episode, instructions: str = "") -> float | None:
     """The last amount the persuadee stated across the conversation (tags anywhere win
-    over plain language), or None."""
-    return parse_donation("\n".join(episode.texts("partner")))
+    over plain language), or None. A persuadee sentence that echoes what the persuader said
+    before it, or the persuadee's own `instructions` (its system prompt), is not read."""
+    said, heard = [], [instructions]
+    for turn in episode.turns:
+        if turn.role == "agent":
+            heard.append(turn.text)
+        elif turn.role == "partner":
+            said.append(strip_echoes(turn.text, heard))
+    return parse_donation("\n".join(said))
 
 
 # A persuader message asks for money when one sentence has both a request phrase and a
@@ -296,7 +366,7 @@ class P4GEnv(Environment):
     tasks_are_personas = True       # the paper's Persona-Guided baseline is N/A here
 
     def __init__(self, data_path, split: str = "train", max_turns: int = 10,
-                 max_words: int = 60, test_fraction: float = 0.2):
+                 max_words: int = MAX_WORDS, test_fraction: float = 0.2):
         self.corpus = load_p4g(data_path)   # raises P4GDataNotFound with how to get the data
         self.split = split
         self.max_turns = max_turns
@@ -327,7 +397,9 @@ class P4GEnv(Environment):
         return "agent"
 
     def score(self, episode: Episode) -> tuple[float, dict]:
-        donation = episode_donation(episode)
+        instructions = (self.partner_messages(episode.task)[0]["content"] if isinstance(episode.task, P4GTask)
+                        else PERSUADEE_PROMPT)
+        donation = episode_donation(episode, instructions)
         amount = 0.0 if donation is None else donation
         info = {
             "donation": amount,

@@ -33,6 +33,9 @@ class WordGame(Environment):
     def first_speaker(self, task):
         return "partner"
 
+    def scripted_partner(self):
+        return Asker()
+
     def score(self, episode):
         answer = episode.texts("agent")[-1].strip() if episode.texts("agent") else ""
         return float(answer == episode.task), {"answer": answer}

@@ -1,0 +1,175 @@
+"""Shared-prefix forward passes for the update: a micro-batch's common prompt prefix once.
+
+Every episode of a group starts from the same prompt (system prompt, persona, task), and
+often every group does (the persuader's system prompt is the same for every persona). The
+plain update feeds each row whole, so that prompt goes through the model (forward, and
+backward through the adapter) once per row. Here, for a run of rows that share their first
+P ids and train none of the tokens 1..P:
+
+    prefix  ids[0, :P]              one row, forward (with grad when training) ─► K, V per layer
+    suffix  ids[rows, P:]           b rows, each attending to [K, V expanded to b rows | its own]
+                                    ─► hidden states of positions P.. (the ones that carry loss)
+
+The suffix sees exactly the keys and values a whole-row forward computes for positions < P
+(the same ids at the same positions), so its hidden states, the loss and the gradients are
+those of the plain path (up to float rounding: a test measures it). The gradient reaches the
+prefix through the expanded K and V, summed over the b rows by autograd: the prefix's
+parameters get it once, from one backward.
+
+The keys/values are passed through a small cache object (`PrefixKV`) that never changes
+during the suffix forward (it returns cat(prefix, new) and keeps nothing), so activation
+checkpointing can replay a layer and see the same thing: the layers are told they may keep
+their cache under checkpointing while it runs (`_can_checkpoint_with_cache`), which is only
+right because this cache is read-only; in the prefix forward it records each layer's K, V
+the first time only (a replay records nothing).
+
+`plan` cuts a batch into units: runs of at most `micro_batch` consecutive rows with a
+shared prefix of at least `min_prefix` ids, and plain micro-batches of the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+MIN_PREFIX = 16      # shorter common prefixes are not worth a separate forward
+
+
+class PrefixKV:
+    """The cache the model sees: records the prefix's K/V, then serves them to the suffix."""
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.rows = 0          # 0 while recording; then the suffix's batch size
+        self.length = 0        # prefix positions
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not self.rows:                           # recording the prefix (a replay keeps the first)
+            self.keys.setdefault(layer_idx, key_states)
+            self.values.setdefault(layer_idx, value_states)
+            return key_states, value_states
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        b = key_states.shape[0]
+        return (torch.cat([k.expand(b, -1, -1, -1), key_states], dim=2),
+                torch.cat([v.expand(b, -1, -1, -1), value_states], dim=2))
+
+    def serve(self, rows: int, length: int) -> None:
+        self.rows, self.length = rows, length
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def __len__(self):
+        return len(self.keys)
+
+
+def body_of(model):
+    return model.get_base_model().model if hasattr(model, "get_base_model") else model.model
+
+
+def supported(model) -> bool:
+    """The attention implementations that take our 4-D masks as given (as the rollout's)."""
+    return getattr(model.config, "_attn_implementation", "sdpa") in ("sdpa", "eager")
+
+
+@contextlib.contextmanager
+def _cache_kept_under_checkpointing(body):
+    """Let checkpointed decoder layers keep the (read-only) PrefixKV cache."""
+    layers = [m for m in body.modules() if hasattr(type(m), "_can_checkpoint_with_cache")]
+    saved = [m.__dict__.get("_can_checkpoint_with_cache") for m in layers]
+    for m in layers:
+        m._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for m, s in zip(layers, saved):
+            if s is None:
+                del m._can_checkpoint_with_cache
+            else:
+                m._can_checkpoint_with_cache = s
+
+
+def _cache_kw(body) -> str:
+    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+
+
+def hidden_states(model, input_ids, attention_mask, prefix: int = 0) -> torch.Tensor:
+    """Final hidden states [b, T - prefix, H] of positions prefix..T-1 of right-padded rows
+    whose first `prefix` ids are the same in every row (prefix 0: the plain forward)."""
+    from .models import final_hidden_states
+
+    if prefix <= 0:
+        return final_hidden_states(model, input_ids, attention_mask)
+    body = body_of(model)
+    kw = _cache_kw(body)
+    b, T = input_ids.shape
+    device = input_ids.device
+    kv = PrefixKV()
+    with _cache_kept_under_checkpointing(body):
+        body(input_ids=input_ids[:1, :prefix], attention_mask=torch.ones((1, prefix), dtype=torch.long, device=device),
+             position_ids=torch.arange(prefix, device=device)[None], use_cache=True, **{kw: kv})
+        kv.serve(b, prefix)
+        S = T - prefix
+        real = attention_mask[:, prefix:].bool()                                    # [b, S]
+        q = torch.arange(S, device=device)[:, None]
+        k = torch.arange(S, device=device)[None, :]
+        own = (real[:, None, :] & (k <= q)[None]) | (k == q)[None]                  # [b, S, S]
+        allowed = torch.cat([torch.ones((b, S, prefix), dtype=torch.bool, device=device), own], dim=2)[:, None]
+        if getattr(model.config, "_attn_implementation", "sdpa") == "eager":
+            dtype = model.get_input_embeddings().weight.dtype
+            allowed = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
+                ~allowed, torch.finfo(dtype).min)
+        out = body(input_ids=input_ids[:, prefix:], attention_mask=allowed,
+                   position_ids=(prefix + torch.arange(S, device=device))[None].expand(b, S),
+                   use_cache=True, **{kw: kv})
+    return out.last_hidden_state
+
+
+def plan(input_ids, attention_mask, loss_mask, micro_batch: int, min_prefix: int = MIN_PREFIX):
+    """Units of at most `micro_batch` consecutive rows: (rows, prefix, length) with `prefix`
+    ids shared by the unit's rows and no trained token among ids 1..prefix (0: a plain
+    micro-batch), and `length` the unit's longest row."""
+    lengths = attention_mask.sum(1).tolist()
+    trained = loss_mask != 0
+    # loss position t trains id t+1: a prefix of P ids is shared only if positions < P carry no loss
+    first = torch.where(trained.any(1), trained.float().argmax(1).long(), attention_mask.sum(1).long())
+    limit = [min(int(f), n - 1) for f, n in zip(first.tolist(), lengths)]
+
+    def common(i, j):
+        n = min(lengths[i], lengths[j])
+        diff = (input_ids[i, :n] != input_ids[j, :n]).nonzero()
+        return int(diff[0, 0]) if len(diff) else n
+
+    units, i, B = [], 0, input_ids.shape[0]
+    while i < B:
+        j, p = i + 1, limit[i]
+        while j < B and j - i < micro_batch:
+            p2 = min(p, limit[j], common(i, j))
+            if p2 < min_prefix:
+                break
+            p, j = p2, j + 1
+        if j - i >= 2 and p >= min_prefix:
+            units.append((list(range(i, j)), p))
+            i = j
+            continue
+        if units and units[-1][1] == 0 and len(units[-1][0]) < micro_batch and units[-1][0][-1] == i - 1:
+            units[-1][0].append(i)
+        else:
+            units.append(([i], 0))
+        i += 1
+    return [(rows, p, max(lengths[r] for r in rows)) for rows, p in units]
+
+
+def fed_tokens(attention_mask, units) -> int:
+    """The real ids the units feed forward: a shared prefix once per unit."""
+    lengths = attention_mask.sum(1).tolist()
+    return sum(p + sum(lengths[r] - p for r in rows) for rows, p, _ in units)
