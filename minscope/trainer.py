@@ -62,11 +62,14 @@ def sequence_logprobs(model, input_ids, attention_mask, temperature: float, adap
 
 
 def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: torch.Tensor,
-                cfg: UpdateConfig, pad_id: int) -> dict:
+                cfg: UpdateConfig, pad_id: int, row_stats: bool = False) -> dict:
     """One GRPO step on adapter `adapter` from the `key` party's tokens of `episodes`.
 
     advantages: [len(episodes)], one per episode. Returns the statistics averaged over the epochs
     whose update was applied (a skipped, non-finite epoch is counted in `skipped_steps`, not averaged in).
+    row_stats: also return, per episode with tokens, the first pass's importance ratios
+    (`rows`: episode index -> [trained tokens, clipped tokens, sum of |log ratio|]): a
+    measurement only, from tensors the update computes anyway.
     """
     batch = training_batch(episodes, key, pad_id)
     device = next(model.parameters()).device
@@ -88,7 +91,8 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
     skipped = 0     # epochs whose update was dropped (non-finite); the statistics average the others
     n_tok = distributed.all_sum(mask.sum()).clamp_min(1)     # over every rank's batch under torchrun
-    for _ in range(cfg.epochs):
+    rows = {}
+    for epoch_i in range(cfg.epochs):
         optimizer.zero_grad(set_to_none=True)
         epoch = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0}
         finite = True
@@ -110,6 +114,11 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
             m = mask[sl].bool()
             epoch["loss"] += loss.item()
             epoch["clip_frac"] += (clipped & m).sum().item() / n_tok.item()
+            if row_stats and epoch_i == 0:
+                log_ratio = kl_log_ratio(logp.detach(), old[sl], mask[sl]).abs()
+                for i, n_i, c_i, lr_i in zip(batch.index[sl], m.sum(1).tolist(),
+                                             (clipped & m).sum(1).tolist(), (log_ratio * m).sum(1).tolist()):
+                    rows[i] = [n_i, c_i, lr_i]
             epoch["entropy"] += (ent * mask[sl]).sum().item() / n_tok.item()
             if ref is not None:
                 d = kl_log_ratio(ref[sl], logp.detach(), mask[sl])   # no exp where untrained
@@ -135,6 +144,8 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     # tokens each epoch feeds forward and back, and the trained ones among them
     sums["tokens_fed"], sums["tokens_trained"] = int(attn.sum().item()), int(mask.sum().item())
     sums["skipped_steps"] = skipped
+    if row_stats:
+        sums["rows"] = rows
     return sums
 
 

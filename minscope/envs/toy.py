@@ -118,6 +118,19 @@ def text_to_act(text: str) -> str:
     return _ACT_BY_TEXT.get(normalize(text), INVALID)
 
 
+def act_entropy(act_lists) -> float | None:
+    """Entropy (nats) of the persuader's acts pooled over episodes and turns: the empirical
+    distribution over the 7 acts plus "invalid" (any garbled utterance counts as that one
+    category). Beside the token entropy: a policy that garbles its asks raises the token
+    entropy while its choice among acts can narrow. None when there are no acts."""
+    acts = [a for acts in act_lists for a in acts]
+    if not acts:
+        return None
+    counts = np.array([acts.count(k) for k in (*ACT_KEYS, INVALID)], dtype=float)
+    p = counts[counts > 0] / len(acts)
+    return float(-(p * np.log(p)).sum()) + 0.0
+
+
 def canonical_reply(text: str) -> str | None:
     """The reply in REPLIES this text is (after normalisation), or None."""
     return _REPLY_BY_TEXT.get(normalize(text))
