@@ -219,8 +219,11 @@ def partner_turns_as_agent(episodes: list[Episode]) -> list[Episode]:
 
 def ratio_by_age(pool, episodes, rows: dict, step: int) -> dict:
     """Population's simulator update, per age of the snapshot that played the episodes
-    (policy steps between that snapshot and the live adapter now): trained tokens, the
-    fraction of them the first pass clips, and their mean |log importance ratio|."""
+    (`step` minus the step the snapshot is labelled with): trained tokens, the fraction of
+    them the first pass clips, and their mean |log importance ratio|. A snapshot labelled
+    k > 0 is taken after update k, the first one (label 0) before any update, so the live
+    adapter is age - 1 updates past the first kind and age past the second (the report
+    counts updates: `report.sim_update_summary`)."""
     step_of = {slot: snap for slot, (snap, _) in zip(pool.slots, pool.pool)}
     out: dict[str, list] = {}
     for i, (n, clipped, abs_log) in rows.items():

@@ -170,8 +170,10 @@ def paired_summary(data: dict) -> dict:
 def sim_update_summary(trains: list[list[dict]]) -> dict:
     """The trained simulator's update: its clip fraction (first and last 3 steps, mean over
     seeds) and, for Population Co-Training, the first pass's clip fraction and mean |log
-    importance ratio| by the age of the snapshot that played (steps), pooled over steps and
-    seeds, token-weighted."""
+    importance ratio| by the age of the snapshot that played, counted in updates of the live
+    adapter since that snapshot (0: the same weights), pooled over steps and seeds,
+    token-weighted. The log's age is the step minus the snapshot's label, and a snapshot
+    labelled k > 0 is taken after update k (methods.ratio_by_age)."""
     def avg(recs):
         vals = [r["sim_clip_frac"] for r in recs if r.get("sim_clip_frac") is not None]
         return float(np.mean(vals)) if vals else None
@@ -182,7 +184,8 @@ def sim_update_summary(trains: list[list[dict]]) -> dict:
     for t in trains:
         for r in t:
             for age, v in (r.get("sim_ratio_by_age") or {}).items():
-                acc = ages.setdefault(int(age), [0, 0.0, 0.0])
+                updates = int(age) if int(age) == r["step"] else int(age) - 1   # label 0: before update 0
+                acc = ages.setdefault(updates, [0, 0.0, 0.0])
                 acc[0] += v["tokens"]
                 acc[1] += v["clip_frac"] * v["tokens"]
                 acc[2] += v["abs_log_ratio"] * v["tokens"]
@@ -430,9 +433,9 @@ def sim_update_md(results) -> list[str]:
         if "by_age" not in u:
             continue
         lines += ["", f"{label(m)}: the live simulator learns from episodes its pool's snapshots played. By the age "
-                  "of the snapshot that played (policy steps between it and the live adapter), the first pass's "
+                  "of the snapshot that played (updates of the live adapter since it; 0: the same weights), the first pass's "
                   "clip fraction and mean |log importance ratio|, token-weighted over steps and seeds:", "",
-                  "| snapshot age (steps) | trained tokens | clip fraction | mean abs log ratio |", "|---|---|---|---|"]
+                  "| snapshot age (updates) | trained tokens | clip fraction | mean abs log ratio |", "|---|---|---|---|"]
         lines += [f"| {a} | {v['tokens']} | {fmt(v['clip_frac'])} | {fmt(v['abs_log_ratio'])} |"
                   for a, v in u["by_age"].items()]
     return lines + [""]
@@ -628,11 +631,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     from .experiment import reference_values
 
-    gammas = {read_json(Path(d) / "config.json")["gamma"] for d in args.seed_table}
-    if len(gammas) != 1:
-        raise SystemExit(f"the runs differ in gamma ({sorted(gammas)}): their seeds cannot be pooled")
+    configs = [read_json(Path(d) / "config.json") for d in args.seed_table]
+    worlds = {(c["gamma"], c["models"].get("world_name", "suppression")) for c in configs}
+    if len(worlds) != 1:
+        raise SystemExit(f"the runs differ in gamma or world ({sorted(worlds)}): their seeds cannot be pooled")
     records, notes = finished_records(args.seed_table)
-    results = summarize(records, reference_values(gammas.pop()))
+    results = summarize(records, reference_values(*worlds.pop()))
     seeds = sorted({r["seed"] for r in records})
     print(f"Runs: {', '.join(args.seed_table)}; seeds with a finished arm: {', '.join(map(str, seeds))}\n")
     print("\n".join(seed_table_md(results)))
