@@ -127,7 +127,7 @@ def main(argv=None):
 
     cfg = experiment.load_config(run_dir / "config.json")
     extra = "" if args.report_only else reevaluate_toy(run_dir, cfg, args.episodes, args.meter, args.cache_dir)
-    report.write_report(run_dir, experiment.reference_values(cfg.gamma), extra_md=extra)
+    report.write_report(run_dir, experiment.reference_values(cfg.gamma, cfg.world), extra_md=extra)
     print(f"wrote {run_dir / 'report.md'}")
 
 

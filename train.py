@@ -65,7 +65,7 @@ REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "pan
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
              "no_grad_checkpointing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
              "unsafe_no_sandbox", "max_turns", "pool_draw")
-TOY_ONLY = ("quick", "methods", "ablations", "seeds", "workers", "cache_dir")
+TOY_ONLY = ("quick", "methods", "ablations", "seeds", "workers", "cache_dir", "world")
 
 
 def build_parser():
@@ -90,6 +90,10 @@ def build_parser():
                    "batch-wide for curriculum, which group refuses), g<gamma> (the aligned model "
                    "the simulator starts from), joined by '+'")
     p.add_argument("--seeds", help="toy: comma-separated seeds (default: 0,1,2)")
+    p.add_argument("--world", choices=("suppression", "distortion"), help="toy: the real users' world "
+                   "(default suppression: gamma-sharpening makes the upsell pay AND deletes the cues a "
+                   "probe reveals; distortion: it makes the upsell pay and suppresses nothing; "
+                   "minscope/envs/toy.py WORLDS). A new world trains its own tiny models on first use")
     p.add_argument("--steps", type=whole(0), help="policy updates per arm")
     p.add_argument("--workers", type=whole(1), help="toy: arms trained in parallel processes (default: "
                    "one per available CPU core, at most one per arm)")
@@ -305,6 +309,10 @@ def run_toy(args):
             over["steps"] = args.steps
         if args.workers:
             over["workers"] = args.workers
+        if args.world:
+            over["models"] = replace(cfg.models, world_name=args.world)
+            if args.world != "suppression" and not args.name:
+                over["name"] = f"{cfg.name}-{args.world}"        # apart from the default world's runs
         for key in ("groups", "group_size", "eval_every"):
             if getattr(args, key) is not None:
                 over[key] = getattr(args, key)
@@ -314,7 +322,7 @@ def run_toy(args):
     for f in fields(cfg):
         print(f"  {f.name:14s} {getattr(cfg, f.name)}")
     run_dir = experiment.run(cfg, runs_dir, args.cache_dir, resume=bool(args.resume), run_dir=run_dir)
-    reference = experiment.reference_values(cfg.gamma)
+    reference = experiment.reference_values(cfg.gamma, cfg.world)
     results = report.write_report(run_dir, reference)
     print(f"\nresults: {run_dir}/report.md\n")
     print(f"{'method':34s} {'real users final':>16s} {'best':>6s} {'unseen':>7s} {'train first->last':>18s}")

@@ -45,10 +45,10 @@ def parse_variant(text: str):
 
 def row(method: str, r: dict) -> str:
     h = r["heldout"]["real_users"]
-    lo, hi = h["final_ci95"]
+    lo, hi = h.get("final_seed_ci95") or (None, None)       # t over seeds (None with one seed)
     pool = (r.get("pool_diversity") or {}).get("final", {})
     seeds = " ".join(f"{x:.3f}"[1:] for x in h["final_per_seed"])
-    return (f"| {method} | {h['final_mean']:.3f} ({lo:.3f}–{hi:.3f}) | {seeds} | {h['selected_mean']:.3f} | "
+    return (f"| {method} | {report.mean_ci(h['final_mean'], [lo, hi])} | {seeds} | {h['selected_mean']:.3f} | "
             f"{report.fmt(pool.get('pairwise_tv'))} / {report.fmt(pool.get('pairwise_floor'))} / "
             f"{report.fmt(pool.get('pairwise_tv_excess'))} | {report.fmt(pool.get('exploit_value'))} | "
             f"{report.fmt(pool.get('cue_rate'))} | {r['top_sequence'].replace(' | ', ', ')} |")
@@ -80,9 +80,9 @@ def main(argv=None):
         run_dir = Path(a.out) / tag
         print(f"== {tag}: {', '.join(t for _, t in arms)} x seeds {a.seeds} -> {run_dir}", flush=True)
         experiment.run(cfg, run_dir=run_dir, cache_dir=a.cache_dir, resume=run_dir.exists())
-        results = report.summarize(read_jsonl(run_dir / "metrics.jsonl"), experiment.reference_values(cfg.gamma))
+        results = report.summarize(read_jsonl(run_dir / "metrics.jsonl"), experiment.reference_values(cfg.gamma, cfg.world))
         rows += [row(text, results["methods"][arm]) for arm, text in arms]
-    print("\n| variant | real users, final (95% CI) | per seed | at best panel ckpt | pool TV / floor / excess "
+    print("\n| variant | real users, final (95% t over seeds) | per seed | at best panel ckpt | pool TV / floor / excess "
           "| exploit inside | cue rate | top final sequence |\n|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 

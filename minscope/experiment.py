@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from . import compute, runfolder
 from .armpool import default_workers, run_pool, threads_per_worker
 from .diversity import member_profile, pool_diversity
+from .envs.toy import act_entropy
 from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
 from .files import RunLock, load_state, read_jsonl, save_atomic, write_text_atomic
 from .methods import Method, train_step
@@ -108,6 +109,7 @@ def _eval_record(toy: Toy, m: Method, method: str, seed: int, step: int, final: 
     rec["real_users_rewards"] = [e.reward for e in res["real_users"]["episodes"]]
     rec["transcripts"] = [e.transcript(("persuader", "user")) for e in res["real_users"]["episodes"][::n_real][:2]]
     acts = [tuple(e.info.get("acts", ())) for e in res["real_users"]["episodes"]]
+    rec["act_entropy"] = act_entropy(acts)      # measurement only: reads the episodes
     rec["top_sequence"] = " | ".join(max(sorted(set(acts)), key=acts.count)) if acts else ""
     return rec
 
@@ -166,6 +168,7 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
         spent = compute.add(spent, metrics["compute"])
         metrics.update(kind="train", method=method, seed=seed, seconds=time.time() - t0,
                        invalid_acts=float(np.mean([e.info.get("n_invalid", 0) for e in episodes])),
+                       act_entropy=act_entropy([e.info.get("acts", ()) for e in episodes]),
                        compute_total=spent)
         emit(metrics)
         if m.trains_simulator and (step % (c.pool_measure_every or c.pool_every) == 0 or step == steps - 1):

@@ -217,6 +217,23 @@ def partner_turns_as_agent(episodes: list[Episode]) -> list[Episode]:
     return out
 
 
+def ratio_by_age(pool, episodes, rows: dict, step: int) -> dict:
+    """Population's simulator update, per age of the snapshot that played the episodes
+    (`step` minus the step the snapshot is labelled with): trained tokens, the fraction of
+    them the first pass clips, and their mean |log importance ratio|. A snapshot labelled
+    k > 0 is taken after update k, the first one (label 0) before any update, so the live
+    adapter is age - 1 updates past the first kind and age past the second (the report
+    counts updates: `report.sim_update_summary`)."""
+    step_of = {slot: snap for slot, (snap, _) in zip(pool.slots, pool.pool)}
+    out: dict[str, list] = {}
+    for i, (n, clipped, abs_log) in rows.items():
+        age = step - step_of.get(episodes[i].partner_name, step)
+        acc = out.setdefault(str(age), [0, 0, 0.0])
+        acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + clipped, acc[2] + abs_log
+    return {age: {"tokens": int(n), "clip_frac": c / n if n else 0.0, "abs_log_ratio": a / n if n else 0.0}
+            for age, (n, c, a) in sorted(out.items(), key=lambda kv: int(kv[0]))}
+
+
 def train_step(method: Method, env, tasks, group_size: int, step: int, first_group: int = 0,
                seed: int | None = None) -> dict:
     """One step of any method. Returns a flat dict of metrics for metrics.jsonl.
@@ -251,10 +268,13 @@ def train_step(method: Method, env, tasks, group_size: int, step: int, first_gro
     if m.trains_simulator:
         sim_r = simulator_rewards(rewards, group_size, m.partner.reward)
         sim_adv = simulator_advantages(sim_r, group_size, m.partner.reward, m.sim_baseline)
+        population = isinstance(m.partner, Population)
         s = grpo_update(m.partner.model, m.partner.trainable_adapter, m.sim_opt, episodes, "partner",
-                        sim_adv, m.sim_cfg, m.partner.tokenizer.pad_token_id)
+                        sim_adv, m.sim_cfg, m.partner.tokenizer.pad_token_id, row_stats=population)
         metrics.update(sim_reward=sim_r.mean().item(), sim_entropy=s["entropy"], sim_clip_frac=s["clip_frac"],
                        sim_grad_norm=s["grad_norm"], sim_skipped_update=bool(s.get("skipped_update", False)))
+        if population:         # the off-policy update, measured: its ratios by the age of the snapshot that played
+            metrics["sim_ratio_by_age"] = ratio_by_age(m.partner, episodes, s.pop("rows", {}), step)
         metrics["skipped_steps"] += s["skipped_steps"]
         if m.anchor is not None:
             skipped_before = m.anchor_skipped

@@ -1,8 +1,17 @@
 """Turn a run's metrics.jsonl into results.json, PNG plots and report.md.
 
-Confidence intervals for a method's final held-out reward come from a two-level bootstrap:
-resample seeds, then episodes within each resampled seed. That way both the training
-randomness (seeds) and the evaluation noise (episodes) are in the interval.
+The headline interval of an arm's held-out reward is a t-interval over seeds (each seed's
+value one unit, n - 1 degrees of freedom; `minscope.seedstats`): what varies between runs is
+the seed, and ~1,000 episodes make each seed's value precise. Arms are compared by paired
+differences over the seeds both were trained on (each method against RL (Single) and against
+the untrained Base), with their t-intervals. A second interval, from a two-level bootstrap
+(resample seeds, then episodes within each), is kept beside it and labelled as such: with
+three seeds it is close to the seeds' min..max, far narrower than the t-interval.
+
+    python -m minscope.report --seed-table RUN_DIR [RUN_DIR ...]
+
+prints the per-arm table (final and best-panel checkpoints side by side) and the paired
+comparisons of the finished arms of one or more run folders (while a run is going too).
 """
 
 from __future__ import annotations
@@ -13,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import read_jsonl
+from .files import read_json, read_jsonl
 from .monitor import first_alarms
+from .seedstats import paired, t_interval
 
 LABELS = {"base": "Base (untrained)", "single": "RL (Single)", "vs": "Verbalized Sampling",
           "ensemble": "Ensemble (K=3)", "persona": "Persona-Guided", "cotrain": "Co-Training",
@@ -59,16 +69,27 @@ def summarize(records, reference: dict) -> dict:
         if not evals:
             continue
         final = [e[-1] for e in evals]
+        seed_ids = [seed for seed, d in seeds.items() if d["eval"]]
+        final_by_seed = {seed: d["eval"][-1]["real_users"] for seed, d in seeds.items() if d["eval"]}
+        selected_by_seed = {seed: max(d["eval"], key=lambda x: x["panel"])["real_users"]
+                            for seed, d in seeds.items() if d["eval"]}
 
         def mean_of(key, recs):
             vals = [r[key] for r in recs if r.get(key) is not None]
             return float(np.mean(vals)) if vals else None
 
         def first_last(key, k=3):
-            if not trains:
-                return {"first": None, "last": None}
-            return {"first": float(np.mean([np.mean([r[key] for r in t[:k]]) for t in trains])),
-                    "last": float(np.mean([np.mean([r[key] for r in t[-k:]]) for t in trains]))}
+            def avg(recs):
+                vals = [r[key] for r in recs if r.get(key) is not None]
+                return float(np.mean(vals)) if vals else None
+            firsts = [v for v in (avg(t[:k]) for t in trains) if v is not None]
+            lasts = [v for v in (avg(t[-k:]) for t in trains) if v is not None]
+            return {"first": float(np.mean(firsts)) if firsts else None,
+                    "last": float(np.mean(lasts)) if lasts else None}
+
+        def interval(by_seed):
+            ci = t_interval(list(by_seed.values()))
+            return [ci["lo"], ci["hi"]]
 
         res = {
             "label": label(method),
@@ -76,10 +97,14 @@ def summarize(records, reference: dict) -> dict:
             "heldout": {
                 "real_users": {
                     "final_mean": mean_of("real_users", final),
+                    "final_seed_ci95": interval(final_by_seed),      # t over seeds: the headline
                     "final_ci95": two_level_bootstrap([r.get("real_users_rewards", [r["real_users"]]) for r in final]),
                     "final_per_seed": [r["real_users"] for r in final],
+                    "seeds": seed_ids,
                     "best_mean": float(np.mean([max(x["real_users"] for x in e) for e in evals])),
                     "selected_mean": float(np.mean([max(e, key=lambda x: x["panel"])["real_users"] for e in evals])),
+                    "selected_seed_ci95": interval(selected_by_seed),
+                    "selected_per_seed": [selected_by_seed[s] for s in seed_ids],
                 },
                 "unseen": {"final_mean": mean_of("unseen", final)},
                 "seen": {"final_mean": mean_of("seen", final)},
@@ -87,6 +112,8 @@ def summarize(records, reference: dict) -> dict:
             },
             "train_reward": first_last("train_reward"),
             "entropy": first_last("policy_entropy"),
+            "act_entropy": first_last("act_entropy"),
+            "final_act_entropy": mean_of("act_entropy", final),
             "zero_variance": first_last("zero_var_frac"),
             "top_sequence": final[0].get("top_sequence", ""),
         }
@@ -98,14 +125,74 @@ def summarize(records, reference: dict) -> dict:
         pools = {seed: d["pool"] for seed, d in seeds.items() if d["pool"]}
         if pools:
             res["pool_diversity"] = pool_summary(pools)
+        if any("sim_clip_frac" in r for t in trains for r in t):
+            res["sim_update"] = sim_update_summary(trains)
         if all("compute_total" in e[-1] for e in evals):
             res["compute"] = compute_summary([e[-1]["compute_total"] for e in evals])
         results["methods"][method] = res
+    results["paired"] = paired_summary(data)
     single = results["methods"].get("single", {}).get("compute", {}).get("flops")
     for r in results["methods"].values():
         if "compute" in r:
             r["compute"]["vs_single"] = r["compute"]["flops"] / single if single else None
     return results
+
+
+def seed_values(seeds: dict, rule: str) -> dict:
+    """seed -> the arm's real-user reward on that seed: at its last evaluation ("final") or
+    at the evaluation with the best panel mean ("selected", the paper's checkpoint rule)."""
+    out = {}
+    for seed, d in seeds.items():
+        if d["eval"]:
+            rec = d["eval"][-1] if rule == "final" else max(d["eval"], key=lambda x: x["panel"])
+            out[seed] = rec["real_users"]
+    return out
+
+
+def paired_summary(data: dict) -> dict:
+    """Each arm against RL (Single) and against Base: mean paired difference over the seeds
+    both have, with its t-interval, at the final and at the best-panel checkpoint. Base is
+    never trained, so its value is the same at both checkpoints."""
+    out = {}
+    for ref in ("single", "base"):
+        if ref not in data:
+            continue
+        for method, seeds in data.items():
+            if method == ref or (ref == "single" and method == "base"):
+                continue
+            for rule in ("final", "selected"):
+                d = paired(seed_values(seeds, rule), seed_values(data[ref], rule))
+                if d["n"]:
+                    out[f"{method}|{ref}|{rule}"] = {"method": method, "against": ref, "checkpoint": rule, **d}
+    return out
+
+
+def sim_update_summary(trains: list[list[dict]]) -> dict:
+    """The trained simulator's update: its clip fraction (first and last 3 steps, mean over
+    seeds) and, for Population Co-Training, the first pass's clip fraction and mean |log
+    importance ratio| by the age of the snapshot that played, counted in updates of the live
+    adapter since that snapshot (0: the same weights), pooled over steps and seeds,
+    token-weighted. The log's age is the step minus the snapshot's label, and a snapshot
+    labelled k > 0 is taken after update k (methods.ratio_by_age)."""
+    def avg(recs):
+        vals = [r["sim_clip_frac"] for r in recs if r.get("sim_clip_frac") is not None]
+        return float(np.mean(vals)) if vals else None
+    out = {"clip_frac_first": avg([r for t in trains for r in t[:3]]),
+           "clip_frac_last": avg([r for t in trains for r in t[-3:]]),
+           "clip_frac_mean": avg([r for t in trains for r in t])}
+    ages: dict[int, list] = {}
+    for t in trains:
+        for r in t:
+            for age, v in (r.get("sim_ratio_by_age") or {}).items():
+                updates = int(age) if int(age) == r["step"] else int(age) - 1   # label 0: before update 0
+                acc = ages.setdefault(updates, [0, 0.0, 0.0])
+                acc[0] += v["tokens"]
+                acc[1] += v["clip_frac"] * v["tokens"]
+                acc[2] += v["abs_log_ratio"] * v["tokens"]
+    if ages:
+        out["by_age"] = {str(a): {"tokens": n, "clip_frac": c / n if n else None, "abs_log_ratio": lr / n if n else None}
+                         for a, (n, c, lr) in sorted(ages.items())}
+    return out
 
 
 def compute_summary(totals: list[dict]) -> dict:
@@ -297,6 +384,63 @@ def fmt(x, nd=3):
     return "–" if x is None else f"{x:.{nd}f}"
 
 
+def mean_ci(mean, ci, nd=3) -> str:
+    """'0.365 (0.335–0.395)', or the mean alone where there is no interval (one seed)."""
+    if not ci or ci[0] is None:
+        return fmt(mean, nd)
+    return f"{fmt(mean, nd)} ({fmt(ci[0], nd)}–{fmt(ci[1], nd)})"
+
+
+VERDICT = {"above": "above", "below": "below", "tie": "tie", None: "–"}
+
+
+def paired_md(results) -> list[str]:
+    """The paired comparisons: each arm minus RL (Single) and minus Base, over the seeds both
+    were trained on, final and best-panel checkpoint side by side."""
+    rows = results.get("paired", {})
+    if not rows:
+        return []
+    lines = ["## Paired differences over seeds", "",
+             "Each arm minus the reference arm on the same seed, averaged over the seeds both have, with the "
+             "95% t-interval of that mean difference (n − 1 degrees of freedom); 'wins' = seeds on which the arm "
+             "is ahead; verdict: above / below when the interval excludes 0, tie when it contains 0.", "",
+             "| method | against | final: difference (95% t) | wins | verdict | best panel ckpt: difference (95% t) "
+             "| wins | verdict |", "|---|---|---|---|---|---|---|---|"]
+    for key, d in rows.items():
+        if d["checkpoint"] != "final":
+            continue
+        sel = rows.get(key.rsplit("|", 1)[0] + "|selected", {})
+        cells = []
+        for x in (d, sel):
+            cells += [mean_ci(x.get("mean"), [x.get("lo"), x.get("hi")]) if x else "–",
+                      f"{x['wins']}/{x['n']}" if x else "–", VERDICT[x.get("verdict")] if x else "–"]
+        lines.append(f"| {label(d['method'])} | {label(d['against'])} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def sim_update_md(results) -> list[str]:
+    """The trained simulators' updates: clip fraction, and Population's by snapshot age."""
+    rows = {m: r["sim_update"] for m, r in results["methods"].items() if "sim_update" in r}
+    if not rows:
+        return []
+    lines = ["## The simulator's update (Co-Training, Population Co-Training)", "",
+             "Fraction of the simulator's trained tokens whose importance ratio the update clips (the clipped "
+             "surrogate passes no gradient through them), mean over steps and seeds.", "",
+             "| method | clip fraction, first 3 steps | last 3 steps | all steps |", "|---|---|---|---|"]
+    for m, u in rows.items():
+        lines.append(f"| {label(m)} | {fmt(u['clip_frac_first'])} | {fmt(u['clip_frac_last'])} | {fmt(u['clip_frac_mean'])} |")
+    for m, u in rows.items():
+        if "by_age" not in u:
+            continue
+        lines += ["", f"{label(m)}: the live simulator learns from episodes its pool's snapshots played. By the age "
+                  "of the snapshot that played (updates of the live adapter since it; 0: the same weights), the first pass's "
+                  "clip fraction and mean |log importance ratio|, token-weighted over steps and seeds:", "",
+                  "| snapshot age (updates) | trained tokens | clip fraction | mean abs log ratio |", "|---|---|---|---|"]
+        lines += [f"| {a} | {v['tokens']} | {fmt(v['clip_frac'])} | {fmt(v['abs_log_ratio'])} |"
+                  for a, v in u["by_age"].items()]
+    return lines + [""]
+
+
 def monitor_md(results) -> list[str]:
     """The collapse monitor's table: per arm (method, seed), the first step of each signal."""
     from .monitor import SIGNALS
@@ -340,6 +484,30 @@ def pool_md(results) -> list[str]:
     return lines + [""]
 
 
+TABLE_HEADER = ["| method | real users, final (95% t over seeds) | episode bootstrap | per seed "
+                "| at best panel ckpt (95% t over seeds) | real users, best | unseen sims, final "
+                "| train reward first → last | token entropy first → last | act entropy first → last "
+                "| zero-var first → last | most common final sequence |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def _arrow(d, nd=2):
+    d = d or {}
+    return f"{fmt(d.get('first'), nd)} → {fmt(d.get('last'), nd)}"
+
+
+def table_row(r) -> str:
+    """One arm's row of the results table (TABLE_HEADER)."""
+    h = r["heldout"]["real_users"]
+    ci = h["final_ci95"]
+    seeds = " ".join(fmt(x)[1:] if x is not None and 0 <= x < 1 else fmt(x) for x in h.get("final_per_seed", []))
+    return (f"| {r['label']} | {mean_ci(h['final_mean'], h.get('final_seed_ci95'))} | "
+            f"{fmt(ci[0], 2)}–{fmt(ci[1], 2)} | {seeds} | {mean_ci(h['selected_mean'], h.get('selected_seed_ci95'))} | "
+            f"{fmt(h['best_mean'])} | {fmt(r['heldout']['unseen']['final_mean'])} | {_arrow(r['train_reward'])} | "
+            f"{_arrow(r['entropy'])} | {_arrow(r.get('act_entropy'))} | "
+            f"{_arrow(r['zero_variance'])} | {r['top_sequence'].replace(' | ', ', ')} |")
+
+
 def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
     run_dir = Path(run_dir)
     records = read_jsonl(run_dir / "metrics.jsonl")   # a damaged log: one message naming it
@@ -352,20 +520,9 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
              f"best fixed sequence **{ref['best_fixed']:.3f}**, best adaptive policy **{ref['best_adaptive']:.3f}**; "
              f"the exploit ({', '.join(ref.get('exploit', ['?']))}) scores {ref.get('exploit_real', float('nan')):.3f} on real users "
              f"and {ref.get('exploit_sharpened', float('nan')):.3f} inside the gamma-sharpened users.", "",
-             "| method | real users, final (95% CI) | per seed | real users, best | at best panel ckpt | unseen sims, final | "
-             "train reward first → last | entropy first → last | zero-var first → last | most common final sequence |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    header = lines[-2:]
-
-    def row(r):
-        h = r["heldout"]["real_users"]
-        ci = h["final_ci95"]
-        seeds = " ".join(fmt(x)[1:] if x is not None and 0 <= x < 1 else fmt(x) for x in h.get("final_per_seed", []))
-        return (f"| {r['label']} | {fmt(h['final_mean'])} ({fmt(ci[0], 2)}–{fmt(ci[1], 2)}) | {seeds} | {fmt(h['best_mean'])} | "
-                f"{fmt(h['selected_mean'])} | {fmt(r['heldout']['unseen']['final_mean'])} | "
-                f"{fmt(r['train_reward']['first'], 2)} → {fmt(r['train_reward']['last'], 2)} | "
-                f"{fmt(r['entropy']['first'], 2)} → {fmt(r['entropy']['last'], 2)} | "
-                f"{fmt(r['zero_variance']['first'], 2)} → {fmt(r['zero_variance']['last'], 2)} | {r['top_sequence'].replace(' | ', ', ')} |")
+             *TABLE_HEADER]
+    header = TABLE_HEADER
+    row = table_row
 
     main = {m: r for m, r in results["methods"].items() if ":" not in m}
     ablations = {m: r for m, r in results["methods"].items() if ":" in m}
@@ -373,10 +530,14 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
     finals = [r for r in records if r.get("kind") == "eval" and "real_users_rewards" in r]
     n_final = len(max(finals, key=lambda r: r["step"])["real_users_rewards"]) if finals else 0
     lines += ["", f"Final = last evaluation ({n_final} real-user episodes per seed, the policy sampling at its "
-              "training temperature), averaged over seeds; CI from a two-level "
-              "bootstrap (seeds, then episodes). Best = each seed's best evaluation, averaged. "
-              "'At best panel ckpt' = the real-user score of the checkpoint with the best mean over the six "
-              "simulators (what the paper keeps).", ""]
+              "training temperature), averaged over seeds, with a 95% t-interval over the seeds' values "
+              "(n − 1 degrees of freedom: the seed is the unit); 'episode bootstrap' = a two-level bootstrap "
+              "(seeds, then episodes), close to the seeds' min–max with few seeds. 'At best panel ckpt' = the "
+              "real-user score of the checkpoint with the best mean over the six simulators (what the paper "
+              "keeps), same interval. Best = each seed's best evaluation, averaged (an oracle choice). Token "
+              "entropy: the policy's mean entropy per generated token; act entropy: the entropy (nats) of the "
+              "dialogue acts the policy played in a training step, the 7 acts and 'garbled' as 8 categories.", ""]
+    lines += paired_md(results)
     if ablations:
         seeds = sorted({r["seed"] for r in records if ":" in r["method"]})
         lines += ["## Co-Training ablation", "",
@@ -393,7 +554,7 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
         lines += [f"| {label(m)} | {fmt(v['sim_side_var'])} | {fmt(v['agent_side_var'])} | {fmt(v['mode_prob'], 2)} |"
                   for m, v in meters.items()]
         lines.append("")
-    lines += compute_md(results) + monitor_md(results) + pool_md(results)
+    lines += compute_md(results) + monitor_md(results) + pool_md(results) + sim_update_md(results)
     lines += [f"![{n}]({n})" for n in images] + [""]
     fid_path = run_dir / "fidelity.json"
     if fid_path.exists():
@@ -429,3 +590,61 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
             lines += ["```"] + first["eval"][-1].get("transcripts", [])[:2] + ["```"]
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
     return results
+
+
+def finished_records(run_dirs) -> tuple[list[dict], list[str]]:
+    """The records of every finished arm of the toy runs in `run_dirs` (a run may still be
+    going: an arm counts once its log holds the evaluation of its last step), and a note per
+    arm not finished yet. An arm (method, seed) found in two folders is refused."""
+    from .runfolder import arm_name, run_arms
+
+    records, notes, seen = [], [], {}
+    for run_dir in map(Path, run_dirs):
+        steps = read_json(run_dir / "config.json")["steps"]
+        for method, seed in run_arms(run_dir):
+            if (method, seed) in seen:
+                raise SystemExit(f"{arm_name(method, seed)} is in both {seen[method, seed]} and {run_dir}")
+            seen[method, seed] = run_dir
+            log = run_dir / "arms" / f"{arm_name(method, seed)}.jsonl"
+            recs = read_jsonl(log, warn=lambda msg: None) if log.exists() else []
+            last = 0 if method == "base" else steps
+            if any(r["kind"] == "eval" and r["step"] == last for r in recs):
+                records += recs
+            else:
+                notes.append(f"{run_dir.name}/{arm_name(method, seed)}: not finished")
+    return records, notes
+
+
+def seed_table_md(results) -> list[str]:
+    """The per-arm table and the paired comparisons, for RESULTS.md."""
+    main = [r for m, r in results["methods"].items() if ":" not in m]
+    return TABLE_HEADER + [table_row(r) for r in main] + [""] + paired_md(results)
+
+
+def main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description="Tables of one or more toy runs' finished arms, with intervals over seeds.")
+    p.add_argument("--seed-table", nargs="+", metavar="RUN_DIR", required=True,
+                   help="toy run folders (the same settings, different seeds), finished or still running")
+    p.add_argument("--json", metavar="PATH", help="also write the summary (results.json's layout) to PATH")
+    args = p.parse_args(argv)
+    from .experiment import reference_values
+
+    configs = [read_json(Path(d) / "config.json") for d in args.seed_table]
+    worlds = {(c["gamma"], c["models"].get("world_name", "suppression")) for c in configs}
+    if len(worlds) != 1:
+        raise SystemExit(f"the runs differ in gamma or world ({sorted(worlds)}): their seeds cannot be pooled")
+    records, notes = finished_records(args.seed_table)
+    results = summarize(records, reference_values(*worlds.pop()))
+    seeds = sorted({r["seed"] for r in records})
+    print(f"Runs: {', '.join(args.seed_table)}; seeds with a finished arm: {', '.join(map(str, seeds))}\n")
+    print("\n".join(seed_table_md(results)))
+    for n in notes:
+        print(f"(note: {n})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

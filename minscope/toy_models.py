@@ -90,12 +90,15 @@ class ToyModelConfig:
     workers: int = 0            # processes that train models in parallel (1 thread each; 0: one per core)
     attention: str = "sdpa"     # attention implementation ("eager" rounds differently: a new cache)
     world: int = 3              # version of the toy world's dynamics: bump it when they change
+    world_name: str = "suppression"   # which of envs.toy.WORLDS the models learn (train.py --world)
 
     def key(self) -> str:
         """The cache folder's name: a hash of everything the simulators depend on (these
         settings, and every text they and the tokenizer learn; `world` versions the rest)."""
         fields = {k: v for k, v in asdict(self).items()     # (their names carry the rest)
                   if not k.startswith(("policy_", "aligned_")) and k != "workers"}
+        if self.world_name == "suppression":      # the default world: the shipped models' hash
+            del fields["world_name"]
         fields["texts"] = texts_fingerprint()
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -216,7 +219,7 @@ class ToyModels:
         if shipped is not None:
             seed_cache(self.dir, shipped)
         self.progress, self.log = progress, log
-        self.env = ToyEnv()
+        self.env = ToyEnv(self.world())
         self.tokenizer = self._tokenizer("tokenizer")                  # the simulators'
         self.policy_tokenizer = self._tokenizer("policy-tokenizer")    # + utterance tokens
 
@@ -262,6 +265,10 @@ class ToyModels:
             return None
         return model.float().eval()
 
+    def world(self, **overrides) -> World:
+        """The real users of this config's world (`world_name`), with a panel member's overrides."""
+        return World.named(self.cfg.world_name, **overrides)
+
     def names(self):
         # the longest job first, so that two workers finish at about the same time
         return (["sim-a-vs", self.cfg.policy_name(), self.cfg.aligned_name()]
@@ -275,16 +282,16 @@ class ToyModels:
         rng = np.random.default_rng(seed)
         if aligned:      # sim-a's world, its users gamma-sharpened in the data itself
             gamma = float(name[len("sim-a-aligned-g"):].split("-steps")[0])
-            world, steps = World(), c.aligned_steps
+            world, steps = self.world(), c.aligned_steps
             transcripts = world.sample_transcripts(c.transcripts, rng, reply_dist=sharpened(world.reply_dist, gamma))
             conversations = self.env.sft_conversations(transcripts, role="partner")
         elif is_policy:
-            world, steps = World(), c.policy_steps
+            world, steps = self.world(), c.policy_steps
             persuader = base_persuader(c, world, rng)
             transcripts = world.sample_transcripts(c.transcripts, rng, policy=persuader)
             conversations = self.env.sft_conversations(transcripts, role="agent")
         else:
-            world = World(**SIMULATORS[name][1])
+            world = self.world(**SIMULATORS[name][1])
             env = ToyEnv(world)
             transcripts = world.sample_transcripts(c.transcripts, rng)
             conversations = env.sft_conversations(transcripts, role="partner")
@@ -335,7 +342,7 @@ class ToyModels:
         name = self.cfg.aligned_name(gamma)
         if name in self.names():
             self.build()
-        return self.get(name), World()
+        return self.get(name), self.world()
 
     def policy_base(self):
         self.build()
@@ -345,7 +352,7 @@ class ToyModels:
         """(model, kind, world) for one simulator of SIMULATORS."""
         self.build()
         kind, overrides = SIMULATORS[name]
-        return self._load(name), kind, World(**overrides)
+        return self._load(name), kind, self.world(**overrides)
 
     def all(self):
         self.build()

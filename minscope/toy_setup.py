@@ -102,6 +102,12 @@ class ToyConfig:
     models: ToyModelConfig = field(default_factory=ToyModelConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)   # the live collapse monitor
 
+    @property
+    def world(self) -> str:
+        """Which of envs.toy.WORLDS the real users (and every simulator trained on them) are:
+        `models.world_name`, set by `python train.py --world NAME`."""
+        return self.models.world_name
+
     def arms(self) -> list[tuple[str, int]]:
         """(method, seed) of every arm: the methods x seeds, then the ablations."""
         return ([(m, s) for m in self.methods for s in self.seeds]
@@ -132,11 +138,11 @@ def load_config(path) -> ToyConfig:
         raise RunFileError(f"{path} is not the config.json of a toy run ({e})") from None
 
 
-def reference_values(gamma: float) -> dict:
+def reference_values(gamma: float, world: str = "suppression") -> dict:
     """Exact values on the real users that every report shows (see minscope.envs.toy)."""
     from .envs.toy import sharpened
 
-    world = World()
+    world = World.named(world)
     seq = world.exploit(gamma)            # the cheap exploit of collapsed simulators
     exploit = lambda history: seq[len(history) // 2]   # noqa: E731
     return {"random": world.random_value(), "best_fixed": world.best_fixed()[0],
@@ -164,7 +170,8 @@ class Toy:
         self.cfg, self.log = cfg, log
         self.models = ToyModels(cache_dir, cfg.models, progress=progress, log=log)
         self.tokenizer = self.models.tokenizer
-        self.env, self.world = ToyEnv(), World()      # (the real users' world, sim-a's too)
+        self.world = World.named(cfg.world)           # the real users' world, sim-a's too
+        self.env = ToyEnv(self.world)
         self.base_model, self.sims = self.models.all()
         t = 1.0 / cfg.gamma
         self.frozen = {name: Frozen(model, self.tokenizer, temperature=t, max_new_tokens=12, name=name)
@@ -183,7 +190,7 @@ class Toy:
     def panel(self, seed: int):
         # the evaluation's real users draw from a stream apart from the oracle arm's training
         # users (RealUsers(seed)); `seed` differs per evaluation (see _eval_record)
-        p = {"real_users": (RealUsers(seed=10_000 + seed), "real")}
+        p = {"real_users": (RealUsers(self.world, seed=10_000 + seed), "real")}
         for name, (_, kind, _) in self.sims.items():
             if kind in ("seen", "unseen"):
                 p[name] = (self.frozen[name], kind)
@@ -201,7 +208,7 @@ class Toy:
         """Real-user transcripts (persuadee side) for the realism anchor, as SFT batches
         (freshly sampled: a stream of their own, apart from the simulators' SFT data)."""
         rng = np.random.default_rng(seed + 777)
-        convs = self.env.sft_conversations(World().sample_transcripts(2000, rng), role="partner")
+        convs = self.env.sft_conversations(World.named(self.cfg.world).sample_transcripts(2000, rng), role="partner")
         encoded = [encode_chat(self.tokenizer, c) for c in convs]
         return AnchorBatches(encoded, batch, self.tokenizer.pad_token_id, random.Random(seed))
 
@@ -237,7 +244,7 @@ class Toy:
             "single" if name == "base" else name, self.policy(), frozen, pcfg, scfg,
             sim_model=sim_model, sim_tokenizer=self.tokenizer, sim_reward=sim_reward,
             vs_k=c.vs_k, pool_size=c.pool_size, pool_every=c.pool_every,
-            oracle=RealUsers(seed=seed), seed=seed, sim_baseline=sim_baseline, sim_temperature=sim_temperature,
+            oracle=RealUsers(World.named(c.world), seed=seed), seed=seed, sim_baseline=sim_baseline, sim_temperature=sim_temperature,
             pool_draw=next((t for t in tweaks if t in ("hardest", "uniform")), c.pool_draw))
         if "anchor" in tweaks and m.trains_simulator:
             m.anchor = self.anchor_batches(seed)

@@ -85,13 +85,16 @@ def zero_signal(advantages: torch.Tensor) -> bool:
 
 
 def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: torch.Tensor,
-                cfg: UpdateConfig, pad_id: int) -> dict:
+                cfg: UpdateConfig, pad_id: int, row_stats: bool = False) -> dict:
     """One GRPO step on adapter `adapter` from the `key` party's tokens of `episodes`.
 
     advantages: [len(episodes)], one per episode. Returns the statistics averaged over the epochs
     whose update was applied (a skipped, non-finite epoch is counted in `skipped_steps`, not averaged in).
     With `cfg.skip_zero_signal` and every advantage 0, nothing is computed: the statistics say
     `skipped_update: True` and why.
+    row_stats: also return, per episode with tokens, the first pass's importance ratios
+    (`rows`: episode index -> [trained tokens, clipped tokens, sum of |log ratio|]): a
+    measurement only, from tensors the update computes anyway.
     """
     if cfg.skip_zero_signal and zero_signal(distributed.all_sum(advantages.abs().sum()).reshape(1)):
         return skipped_update(episodes, key, pad_id, "every advantage is 0 (no group's rewards differ)")
@@ -117,7 +120,8 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
     skipped = 0     # epochs whose update was dropped (non-finite); the statistics average the others
     n_tok = distributed.all_sum(mask.sum()).clamp_min(1)     # over every rank's batch under torchrun
-    for _ in range(cfg.epochs):
+    row_ratios = {}     # row_stats: episode index -> [trained, clipped, sum |log ratio|]
+    for epoch_i in range(cfg.epochs):
         optimizer.zero_grad(set_to_none=True)
         epoch = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0}
         finite = True
@@ -139,6 +143,11 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
             m = mask[sl].bool()
             epoch["loss"] += loss.item()
             epoch["clip_frac"] += (clipped & m).sum().item() / n_tok.item()
+            if row_stats and epoch_i == 0:
+                log_ratio = kl_log_ratio(logp.detach(), old[sl], mask[sl]).abs()
+                for i, n_i, c_i, lr_i in zip([batch.index[r] for r in rows], m.sum(1).tolist(),
+                                             (clipped & m).sum(1).tolist(), (log_ratio * m).sum(1).tolist()):
+                    row_ratios[i] = [n_i, c_i, lr_i]
             epoch["entropy"] += (ent * mask[sl]).sum().item() / n_tok.item()
             if ref is not None:
                 d = kl_log_ratio(ref_sl, logp.detach(), mask[sl])   # no exp where untrained
@@ -167,6 +176,8 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     sums["tokens_forward"], sums["tokens_forward_plain"] = sums["tokens_fed"], int(attn.sum().item())
     sums["skipped_steps"] = skipped
     sums["skipped_update"] = False
+    if row_stats:
+        sums["rows"] = row_ratios
     return sums
 
 

@@ -1,5 +1,6 @@
 """The toy experiment harness: resumable runs, results.json, report and plots."""
 import json
+import math
 
 import pytest
 
@@ -146,8 +147,13 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
         assert {"final_mean", "final_ci95", "best_mean"} <= set(h)
         assert h["final_ci95"][0] <= h["final_mean"] <= h["final_ci95"][1]
         assert r["heldout"]["unseen"]["final_mean"] is not None
-    for key in ("train_reward", "entropy", "zero_variance"):
+    for key in ("train_reward", "entropy", "act_entropy", "zero_variance"):
         assert set(saved["methods"]["single"][key]) == {"first", "last"}
+    # the act-level entropy (8 categories: 7 acts and 'garbled'), logged per step and evaluation
+    assert 0 <= saved["methods"]["single"]["act_entropy"]["last"] <= math.log(8)
+    assert saved["methods"]["vs"]["final_act_entropy"] is not None
+    assert saved["paired"]["vs|single|final"]["n"] == 1          # one seed: no interval
+    assert saved["paired"]["vs|single|final"]["lo"] is None
     # the last evaluation measures the real users with `final_episodes` per persona (4 personas)
     evals = [r for r in records(run_dir) if r["method"] == "single" and r["kind"] == "eval"]
     assert [len(r["real_users_rewards"]) for r in evals] == [4 * 4, 4 * 4, 6 * 4]

@@ -533,3 +533,24 @@ def test_selfplay_partner_turns_get_the_opponents_reward_on_asymmetric_tasks(par
     torch.testing.assert_close(adv[n:], want)
     if not symmetric:
         torch.testing.assert_close(adv[n:], -adv[:n])
+
+
+def test_population_logs_its_simulator_ratios_by_snapshot_age_without_changing_the_update(parts, tokenizer):
+    policy, frozen, sim_model = parts
+    env = WordGame()
+    env.score = lambda ep: (float(len(ep.turns[-1].text) % 2), {})
+    m = build_method("population", policy, frozen, UpdateConfig(lr=1e-2), UpdateConfig(lr=1e-2),
+                     sim_model=sim_model, sim_tokenizer=tokenizer, sim_reward="adversarial", pool_every=1)
+    ages = []
+    for step in range(3):
+        torch.manual_seed(10 + step)
+        metrics = train_step(m, env, env.tasks(), 4, step=step)
+        by_age = metrics["sim_ratio_by_age"]
+        assert by_age and all(int(a) >= 0 for a in by_age)
+        assert all(0.0 <= v["clip_frac"] <= 1.0 and v["abs_log_ratio"] >= 0 and v["tokens"] > 0 for v in by_age.values())
+        tokens = sum(v["tokens"] for v in by_age.values())
+        assert tokens == metrics["compute"]["sim_trained"]            # every trained token, once
+        clipped = sum(v["clip_frac"] * v["tokens"] for v in by_age.values()) / tokens
+        assert clipped == pytest.approx(metrics["sim_clip_frac"], abs=1e-6)   # one pass: the same count
+        ages += list(by_age)
+    assert ages[0] == "0" and any(a != "0" for a in ages)   # the live adapter moves past its snapshots

@@ -66,6 +66,7 @@ EXPECTED = {
         "the exploit, real users     simulator-side", "(exact 0.182)", "(exact 0.012)", "(exact 0.099)",
         "best adaptive persuader, real users: exact simulator-side 0.151, agent-side 0.000",
         "closed loop (Eq. 6)", "above the floor",
+        "suppression  cue rate: real 0.600, inside 0.027", "distortion   cue rate: real 0.850, inside 1.000",
     ],
     "06_real_models": [
         "re-rendered conversation starts with the turn-1 stream: False",

@@ -292,3 +292,61 @@ def test_sampling_tv_floor_is_the_noise_of_a_perfect_sampler():
     # fair coin, 64 flips: E|k/64 - 1/2| = 0.0497 (exact binomial), the TV of two outcomes
     assert abs(sampling_tv_floor([{"a": 0.5, "b": 0.5}], 64, reps=4000) - 0.0497) < 0.003
     assert sampling_tv_floor([{"a": 0.5, "b": 0.5}], 1024) < 0.015       # shrinks as 1/sqrt(n)
+
+
+def cue_rate(reply_dist, persona=0):
+    """P(a probe, first thing, names the persona's own concern) under `reply_dist`."""
+    return sum(p for r, p in reply_dist(persona, (ACTS["probe"],)).items() if r in CUES[persona])
+
+
+def test_the_two_worlds_collapse_differently_under_sharpening():
+    # suppression (the default): the upsell pays inside the sharpened users AND their cues vanish
+    sup = World.named("suppression")
+    sup_sharp = sharpened(sup.reply_dist, 8.0)
+    assert cue_rate(sup.reply_dist) == pytest.approx(0.6) and cue_rate(sup_sharp) < 0.05
+    # distortion: the upsell still pays, the cues are stated at least as often as by real users
+    dis = World.named("distortion")
+    dis_sharp = sharpened(dis.reply_dist, 8.0)
+    assert cue_rate(dis.reply_dist) == pytest.approx(0.85) and cue_rate(dis_sharp) > 0.99
+    upsell = fixed(("probe", "small_ask", "big_ask"))
+    assert dis.exploit(8.0) == ("probe", "small_ask", "big_ask")
+    assert dis.exact_value(upsell, dis_sharp) == pytest.approx(sup.exact_value(upsell, sup_sharp))
+    assert dis.exact_value(upsell) == pytest.approx(0.240, abs=1e-3)
+    # ... and the real users' best policy is worth less than the upsell inside them (so a
+    # policy trained there collapses), but far more on the real users
+    value, best = dis.best_adaptive()
+    best_policy = lambda h: best.get(h) or "probe"     # noqa: E731
+    inside = dis.exact_value(best_policy, dis_sharp)
+    assert 0.6 < value and dis.exact_value(upsell) < value - 0.3
+    assert 0.5 < inside < dis.exact_value(upsell, dis_sharp) - 0.1
+    assert best[()] == "probe" and best[(ACTS["probe"], CUES[1][0])] == STRATEGIES[1]
+
+
+def test_worlds_are_named_and_a_panel_variant_goes_on_top():
+    assert World.named("distortion", cue_rate=0.75).cue_rate == 0.75
+    assert World.named("distortion", cue_rate=0.75).persuaded_big == (0.5, 0.45, 0.05)
+    default = World()
+    assert World.named().__dict__.keys() == default.__dict__.keys()
+    assert default.reply_dist(0, (ACTS["emotion"], "wow that moves me", ACTS["big_ask"])) == {YES2: 0.9, SURE1: 0.07, NO: 0.03}
+    with pytest.raises(ValueError, match="unknown toy world"):
+        World.named("nowhere")
+    with pytest.raises(ValueError, match="persuaded_big"):
+        World(persuaded_big=(0.5, 0.5, 0.5))
+
+
+def test_the_world_flag_reaches_the_config_the_models_and_the_reference_values(capsys):
+    import train
+    from minscope.toy_models import SHIPPED, ToyModelConfig
+    from minscope.toy_setup import ToyConfig, reference_values
+
+    # the default world keeps the shipped models' cache key; another world gets models of its own
+    assert (SHIPPED / f"toy-{ToyModelConfig().key()}").is_dir()
+    assert ToyModelConfig(world_name="distortion").key() != ToyModelConfig().key()
+    assert ToyConfig(models=ToyModelConfig(world_name="distortion")).world == "distortion"
+    assert ToyConfig().world == "suppression"
+    ref = reference_values(8.0, "distortion")
+    assert ref["best_adaptive"] == pytest.approx(0.650, abs=1e-3) and ref["exploit_sharpened"] > 0.98
+    assert train.parse_args(["--world", "distortion"]).world == "distortion"
+    with pytest.raises(SystemExit):
+        train.parse_args(["--env", "p4g", "--world", "distortion"])
+    assert "for the toy experiment" in capsys.readouterr().err

@@ -118,6 +118,19 @@ def text_to_act(text: str) -> str:
     return _ACT_BY_TEXT.get(normalize(text), INVALID)
 
 
+def act_entropy(act_lists) -> float | None:
+    """Entropy (nats) of the persuader's acts pooled over episodes and turns: the empirical
+    distribution over the 7 acts plus "invalid" (any garbled utterance counts as that one
+    category). Beside the token entropy: a policy that garbles its asks raises the token
+    entropy while its choice among acts can narrow. None when there are no acts."""
+    acts = [a for acts in act_lists for a in acts]
+    if not acts:
+        return None
+    counts = np.array([acts.count(k) for k in (*ACT_KEYS, INVALID)], dtype=float)
+    p = counts[counts > 0] / len(acts)
+    return float(-(p * np.log(p)).sum()) + 0.0
+
+
 def canonical_reply(text: str) -> str | None:
     """The reply in REPLIES this text is (after normalisation), or None."""
     return _REPLY_BY_TEXT.get(normalize(text))
@@ -177,6 +190,23 @@ def sharpened(reply_dist, gamma: float):
 
 # ---------------------------------------------------------------------------- the world
 
+# The toy's worlds (`python train.py --world NAME`): the real users' parameters that differ
+# from World's defaults. In both, gamma-sharpening makes the upsell pay inside the aligned users.
+#   suppression  (the default) sharpening also deletes the persona's cues: each of its three
+#                phrasings (0.2) is less likely than the bland reply (0.36), so the sharpened
+#                users never say what they care about (0.027 against 0.60).
+#   distortion   a probe names the concern 0.85 of the time, each phrasing (0.283) above the
+#                bland reply (0.11): the sharpened users state it always. A persuaded
+#                persuadee asked for 2 dollars says yes 0.50 / 1 dollar 0.45 / no 0.05, so the
+#                real users' best policy (probe, match, big ask) is worth 0.849 inside the
+#                sharpened users, below the upsell (0.988): collapse by a distorted payoff
+#                alone, with nothing suppressed.
+WORLDS = {
+    "suppression": {},
+    "distortion": {"cue_rate": 0.85, "persuaded_big": (0.5, 0.45, 0.05)},
+}
+
+
 class World:
     """The real-user population and exact values of policies against any reply model.
 
@@ -188,16 +218,17 @@ class World:
     lecture_pushback    P(a mismatched strategy is resented)
     pressure_yes        P(giving 2 dollars when asked after hesitating twice)
     upsell_yes          P(raising a 1-dollar pledge to 2 when asked for 2); the rest retracts
+    persuaded_big       P(yes 2, sure 1, no) of a persuaded persuadee asked for 2 dollars
 
     Variants (for the held-out panel) are one line, e.g. `World(cue_rate=0.7)` (cues become
     the mode, so even its sharpened users reveal them) or
-    `World(persona_mix=(0.55, 0.15, 0.15, 0.15))`.
+    `World(persona_mix=(0.55, 0.15, 0.15, 0.15))`. `World.named(name)` builds one of WORLDS.
     """
 
     def __init__(self, persona_mix=None, cue_rate: float = 0.6, cue_noise: float = 0.04,
                  persuade_rate: float = 0.6, warm_persuade_rate: float = 0.95,
                  lecture_pushback: float = 0.35, pressure_yes: float = 0.6, upsell_yes: float = 0.4,
-                 n_turns: int = 3):
+                 n_turns: int = 3, persuaded_big=(0.9, 0.07, 0.03)):
         mix = np.full(len(PERSONAS), 1.0 / len(PERSONAS)) if persona_mix is None else np.asarray(persona_mix, float)
         if mix.shape != (len(PERSONAS),) or (mix < 0).any() or abs(mix.sum() - 1) > 1e-6:
             raise ValueError(f"persona_mix must be {len(PERSONAS)} probabilities summing to 1, got {persona_mix}")
@@ -208,8 +239,18 @@ class World:
         self.persuade_rate, self.warm_persuade_rate = persuade_rate, warm_persuade_rate
         self.lecture_pushback = lecture_pushback
         self.pressure_yes, self.upsell_yes, self.n_turns = pressure_yes, upsell_yes, n_turns
+        if len(persuaded_big) != 3 or min(persuaded_big) < 0 or abs(sum(persuaded_big) - 1) > 1e-6:
+            raise ValueError(f"persuaded_big must be 3 probabilities (yes 2, sure 1, no) summing to 1, got {persuaded_big}")
+        self.persuaded_big = tuple(float(x) for x in persuaded_big)
         self.tasks = [ToyTask(i, name) for i, name in enumerate(PERSONAS)]
         self._cache = {}
+
+    @classmethod
+    def named(cls, name: str = "suppression", **overrides) -> "World":
+        """One of WORLDS, with `overrides` (a panel member's variant) on top."""
+        if name not in WORLDS:
+            raise ValueError(f"unknown toy world {name!r}; choose one of {', '.join(WORLDS)}")
+        return cls(**{**WORLDS[name], **overrides})
 
     # ---- the real users
     def reply_dist(self, persona: int, history) -> dict[str, float]:
@@ -266,7 +307,7 @@ class World:
         if act == "small_ask":
             return {SURE1: 0.6, YES2: 0.4} if persuaded else ({SURE1: 0.6, MAYBE: 0.25, NO: 0.15} if warm else {SURE1: 0.45, MAYBE: 0.3, NO: 0.25})
         if persuaded:
-            return {YES2: 0.9, SURE1: 0.07, NO: 0.03}
+            return dict(zip((YES2, SURE1, NO), self.persuaded_big))
         # Pressure ladder: an unpersuaded user hesitates twice before giving in.
         if hesitations == 0:
             return {MAYBE: 0.5, NO: 0.35, YES2: 0.15}

@@ -1,0 +1,65 @@
+"""Seed-level intervals re-derived from the per-seed values a results table already shows.
+
+    python bench/seed_intervals.py docs/RESULTS.md "## The default run, cold"
+    python bench/seed_intervals.py docs/RESULTS.md "## Six seeds (current code)"
+
+Reads the first markdown table after the heading that starts with the given text, takes each
+row's "per seed" column (values such as `.241 .169 .103`, in seed order), and prints each arm's
+mean with its 95% t-interval over seeds (n - 1 degrees of freedom), then each arm minus RL
+(Single) and minus Base, paired by seed (minscope.seedstats). The values are the table's,
+rounded to 3 decimals, so the intervals can differ from a run's own report in the last digit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minscope.seedstats import paired, t_interval  # noqa: E402
+
+
+def read_table(path: str, heading: str) -> dict[str, list[float]]:
+    lines = Path(path).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    rows, header = {}, None
+    for line in lines[start + 1:]:
+        if not line.startswith("|"):
+            if header:
+                break
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if header is None:
+            header = cells
+            col = header.index("per seed")
+            continue
+        if set(cells[0]) <= set("-: "):
+            continue
+        rows[cells[0]] = [float(v) for v in cells[col].split()]
+    return rows
+
+
+def fmt(d) -> str:
+    return f"{d['mean']:.3f} ({d['lo']:.3f} to {d['hi']:.3f})" if d["lo"] is not None else f"{d['mean']:.3f}"
+
+
+def main(argv=None):
+    path, heading = (argv or sys.argv[1:])[:2]
+    rows = read_table(path, heading)
+    print(f"{path}, table after '{heading}': 95% t-intervals over seeds (n - 1 df)\n")
+    print("| method | n | mean (95% t over seeds) |\n|---|---|---|")
+    for name, vals in rows.items():
+        print(f"| {name} | {len(vals)} | {fmt(t_interval(vals))} |")
+    refs = {k: v for k, v in rows.items() if k.startswith(("RL (Single)", "Base"))}
+    print("\n| method | against | difference, paired by seed (95% t) | wins | verdict |\n|---|---|---|---|---|")
+    for ref_name, ref in refs.items():
+        for name, vals in rows.items():
+            if name == ref_name or name.startswith("Base"):
+                continue
+            d = paired(dict(enumerate(vals)), dict(enumerate(ref)))
+            print(f"| {name} | {ref_name} | {fmt(d)} | {d['wins']}/{d['n']} | {d['verdict']} |")
+
+
+if __name__ == "__main__":
+    main()
