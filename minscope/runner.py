@@ -445,14 +445,10 @@ def check_panel(args):
     """--method ensemble needs two training simulators or more; without an unseen panel
     member the collapse monitor's divergence alarm has nothing held out to read (one line)."""
     specs = parse_panel(args.panel)
-    if args.method == "ensemble":
-        base = resolve_path(args.simulator) or resolve_path(args.policy)
-        distinct = {base} | {path for path, kind in specs if kind == "seen"}
-        if len(distinct) < 2:
-            raise SystemExit("--method ensemble trains against the training simulator and every seen --panel "
-                             f"member, and {'--panel names none' if not specs else 'the seen --panel members add none'}"
-                             ": give two or more, e.g. --simulator A --panel B,C (members without 'unseen:' "
-                             "are seen), or use --method single")
+    if args.method == "ensemble" and not any(kind == "seen" for _, kind in specs):
+        raise SystemExit("--method ensemble trains against the training simulator and every seen --panel member, "
+                         "and --panel names none, so it would train like --method single: give one or more, e.g. "
+                         "--simulator A --panel B,C (members without 'unseen:' are seen; unseen:D stays held out)")
     if not any(kind == "unseen" for _, kind in specs):
         print("note: no unseen --panel member, so the collapse monitor's divergence alarm is off; turn it on "
               "with --panel unseen:MODEL (a simulator the policy never trains against)", file=sys.stderr)

@@ -276,7 +276,7 @@ def test_the_divergence_alarm_reads_the_unseen_members_and_their_noise():
 def test_ensemble_needs_two_training_simulators_and_no_unseen_member_turns_the_divergence_alarm_off(
         tmp_path, template_models, capsys):
     model = template_models["qwen3"]
-    for panel in ([], ["--panel", f"unseen:{model}"], ["--panel", model]):
+    for panel in ([], ["--panel", f"unseen:{model}"]):
         with pytest.raises(SystemExit, match="--method ensemble trains against the training simulator and every "
                                              "seen --panel member.*--panel B,C"):
             train(tmp_path, model, *panel, method="ensemble")
