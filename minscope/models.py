@@ -262,17 +262,28 @@ def convert_gguf(path: Path, folder: Path, log=print) -> None:
     log(f"converted in {time.perf_counter() - t0:.0f} s")
 
 
+def pick_device(name: str | None = None) -> str:
+    """A device name; None or "auto": cuda if torch sees a GPU, else mps (Apple silicon), else cpu."""
+    if name not in (None, "auto"):
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    return "mps" if mps is not None and mps.is_available() else "cpu"
+
+
 def load_model(name_or_path: str, load_in_4bit: bool = False, dtype: torch.dtype | None = None,
                device: str | None = None):
     """Load a Hugging Face causal LM and its tokenizer by hub name, local path, a GGUF file
     or a built-in name (`BUILTIN_MODELS`: converted once into the model cache).
 
     `load_in_4bit` uses bitsandbytes NF4 (double quantisation, bf16 compute) for the base
-    weights; LoRA adapters stay in full precision. Returns (model, tokenizer).
+    weights; LoRA adapters stay in full precision. device: `pick_device` (default: cuda, else
+    mps, else cpu); bfloat16 on cuda, float32 elsewhere (mps untested). Returns (model, tokenizer).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(device)
     name_or_path = resolve_checkpoint(name_or_path)
     offline = os.environ.get("HF_HUB_OFFLINE") == "1"
     is_local = Path(name_or_path).exists()

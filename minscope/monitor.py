@@ -255,9 +255,10 @@ def healthy_arms(logs: dict) -> list[str]:
 
 
 def main(argv=None):
-    """python -m minscope.monitor RUN_DIR [--set KEY=VALUE ...] [--write]: the alarms of a toy
-    run's arms under other thresholds (to choose them from a run's own curves); --write also
-    replaces the alarm records in its logs and the thresholds in its config.json."""
+    """python -m minscope.monitor RUN_DIR [--set KEY=VALUE ...] [--write]: the alarms of a run
+    (each arm of a toy run; a real-model run's metrics.jsonl) under other thresholds (to choose
+    them from a run's own curves); --write also replaces the alarm records in its logs and the
+    thresholds in its config.json (a resumed real run goes on with them)."""
     import argparse
     import json
     from dataclasses import asdict, fields, replace
@@ -275,10 +276,19 @@ def main(argv=None):
                         "ends above the untrained policy (derive_thresholds); then --set, and the alarms under them")
     args = p.parse_args(argv)
     config = read_json(args.run_dir / "config.json")
-    cfg = MonitorConfig(**config.get("monitor", {}))
+    cfg = MonitorConfig(**(config.get("monitor") or {}))
     logs = sorted((args.run_dir / "arms").glob("*.jsonl"))
-    if not logs:
+    real = not logs and "models" not in config         # a real-model run (train.py --env p4g|tau2|...)
+    keys = dict(panel_key="unseen", real_key=None) if real else {}   # as runner.run_real watches it
+    if real:
+        logs = [args.run_dir / "metrics.jsonl"]
+        if not logs[0].is_file():
+            p.error(f"{args.run_dir} has no metrics.jsonl (nor arms/*.jsonl): is it a run folder train.py wrote?")
+    elif not logs:
         p.error(f"{args.run_dir} has no arms/*.jsonl: is it a toy run?")
+    if args.derive and real:
+        p.error("--derive needs a toy run: it calls an arm healthy against the untrained policy's real-user "
+                "reward, which a real-model run does not have; choose thresholds with --set")
     if args.derive:
         records = {log.stem: read_jsonl(log) for log in logs}
         try:
@@ -292,11 +302,13 @@ def main(argv=None):
         if key not in {f.name for f in fields(MonitorConfig)}:
             p.error(f"--set {item}: unknown threshold {key!r}")
         cfg = replace(cfg, **{key: type(getattr(cfg, key))(value)})
-    print(f"thresholds: {cfg}\n{'arm':28s} first step of each signal")
+    print(f"thresholds: {cfg}\n{'run' if real else 'arm':28s} first step of each signal")
+    if real and not any(r.get("kind") == "eval" and r.get("unseen") is not None for r in read_jsonl(logs[0])):
+        print("(no unseen panel member: the divergence alarm cannot fire; train with --panel unseen:MODEL)")
     for log in logs:
-        records = relog(read_jsonl(log), cfg)
+        records = relog(read_jsonl(log), cfg, **keys)
         alarms = [r for r in records if r.get("kind") == "alarm"]
-        print(f"{log.stem:28s} " + (", ".join(f"{a['signal']} {a['step']}" for a in alarms) or "-"))
+        print(f"{args.run_dir.name if real else log.stem:28s} " + (", ".join(f"{a['signal']} {a['step']}" for a in alarms) or "-"))
         if args.write:
             write_text_atomic(log, "".join(json.dumps(r) + "\n" for r in records))
     if args.write:
@@ -304,7 +316,8 @@ def main(argv=None):
 
         config["monitor"] = asdict(cfg)
         write_text_atomic(args.run_dir / "config.json", json.dumps(config, indent=2))
-        merge_metrics(args.run_dir)
+        if not real:
+            merge_metrics(args.run_dir)
         print(f"rewritten; the report: python eval.py {args.run_dir} --report-only")
 
 

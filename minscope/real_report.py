@@ -296,7 +296,8 @@ def training_log(run_dir: Path) -> list[str]:
                    f"{_f(train[-1])} (last step).")
         out += ["", "Training reward per step: " + " ".join(_f(r, 2) for r in train) + "."]
     if evals:
-        skip = {"kind", "step", "split", "tasks", "panel_mean", "seen", "unseen", "eval_temperature", "eval_s"}
+        skip = {"kind", "step", "split", "tasks", "panel_mean", "seen", "unseen", "eval_temperature", "eval_s",
+                "seen_se", "unseen_se"}
         names = [k for k in evals[0] if k not in skip]
         n = evals[0].get("tasks")
         which = f"the first {n} {evals[0].get('split', 'test')} tasks" if n else f"{evals[0].get('split', 'test')} tasks"

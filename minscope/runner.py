@@ -60,8 +60,8 @@ from .evaluate import eval_seed, evaluate_panel, isolated_rng
 from .files import RunLock, load_state as load_state_file, read_json, read_jsonl, save_atomic, truncate_log, write_text_atomic
 from .methods import METHODS, build_method, train_step
 from .models import (adapter_state, add_adapters, enable_checkpointing, load_adapter, load_adapter_state,
-                     load_model, save_adapter)
-from .monitor import CollapseMonitor, log_with_alarms
+                     load_model, pick_device, save_adapter)
+from .monitor import CollapseMonitor, MonitorConfig, log_with_alarms
 from .rollout import LMSpeaker, StreamError, rollout_batch
 from .served import ServedSpeaker, is_spec, parse_spec, served_speakers, take_usage
 from .simulators import Frozen
@@ -70,9 +70,27 @@ from .trainer import UpdateConfig
 REAL_METHODS = tuple(m for m in METHODS if m != "oracle")   # oracle needs scripted real users
 TRAINS_SIMULATOR = ("cotrain", "population")   # methods with a trainable "simulator" adapter
 DEFAULT_STEPS = 250
-SAMPLING_TEMPERATURE = 0.7                     # policy and simulators during training
+SAMPLING_TEMPERATURE = 0.7                     # policy and simulators during training (--temperature)
+# Settings that real runs once fixed in the code: a config.json written before they were
+# flags (train.py --seed, --temperature, ...) ran with these values, so a resume or an
+# evaluation of such a run reads them from here (`setting`).
+FIXED_BEFORE = dict(seed=0, temperature=SAMPLING_TEMPERATURE, kl=0.005, lora_r=8, lora_alpha=16, pool_size=5,
+                    pool_every=4, vs_k=5, sim_reward=None, device="auto", monitor=None)
 TIMING_KEYS = ("seconds", "rollout_s", "update_s", "eval_s")   # wall times in metrics.jsonl
 CPU_ROLLOUT_BATCH = 32                         # episodes generated at once on a CPU
+
+
+def setting(args, key: str):
+    """A run setting of train.py's `args` (or a saved config.json): its value, or for a run
+    saved before it was a flag, the value runs had then (FIXED_BEFORE)."""
+    value = getattr(args, key, None)
+    return FIXED_BEFORE[key] if value is None else value
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The random stream of training step `step` of a run with seed `seed` (the tasks drawn,
+    the rollout's sampling): the step itself for seed 0."""
+    return 1_000_003 * seed + step
 
 
 # --------------------------------------------------------------------------- environment
@@ -208,11 +226,12 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
     partner: the environment's scripted partner (`Environment.scripted_partner`): it is the
     training partner and the whole panel, and no simulator model is loaded.
     """
-    bits = dict(load_in_4bit=args.load_in_4bit)
+    bits = dict(load_in_4bit=args.load_in_4bit, device=pick_device(setting(args, "device")))
+    temperature = setting(args, "temperature")
     if partner is not None:
         policy_model, tok = load_model(resolve_path(args.policy), **bits)
         policy_model = add_adapters(policy_model, ["policy"])
-        policy = LMSpeaker(policy_model, tok, "agent", adapter="policy", temperature=SAMPLING_TEMPERATURE,
+        policy = LMSpeaker(policy_model, tok, "agent", adapter="policy", temperature=temperature,
                            max_new_tokens=args.max_new_tokens, name="policy")
         return Models(policy_model, tok, None, None, policy, [partner], {partner.name: (partner, "seen")})
     served_sim = is_spec(args.simulator)      # openai:MODEL@URL: nothing to load for it here
@@ -228,11 +247,12 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
 
     # Decide every adapter before creating any speaker: wrapping a model in peft changes
     # which object has to be called (the raw base would then run the active adapter).
-    policy_model = add_adapters(policy_model, ["policy"] + (["simulator"] if shared and train_simulator else []))
+    lora = dict(r=setting(args, "lora_r"), alpha=setting(args, "lora_alpha"))
+    policy_model = add_adapters(policy_model, ["policy"] + (["simulator"] if shared and train_simulator else []), **lora)
     if shared:
         sim_model = policy_model
     elif train_simulator:
-        sim_model = add_adapters(sim_model, ["simulator"])
+        sim_model = add_adapters(sim_model, ["simulator"], **lora)
     specs = parse_panel(args.panel if panel_spec is None else panel_spec)
     slots = {}                                 # panel index -> adapter slot on the simulator
     for i, (path, _) in enumerate(specs):
@@ -244,12 +264,12 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
         policy_model = sim_model
 
     def frozen_speaker(name, model, mtok, adapter=None):
-        return Frozen(model, mtok, adapter=adapter, temperature=SAMPLING_TEMPERATURE,
+        return Frozen(model, mtok, adapter=adapter, temperature=temperature,
                       max_new_tokens=args.max_new_tokens, name=name)
 
     def served_speaker(name, spec):
         try:
-            return ServedSpeaker.from_spec(spec, temperature=SAMPLING_TEMPERATURE,
+            return ServedSpeaker.from_spec(spec, temperature=temperature,
                                            max_new_tokens=args.max_new_tokens, name=name)
         except ValueError as e:                # eval.py --panel reaches here unchecked
             raise SystemExit(f"error: {e}") from None
@@ -272,7 +292,7 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
         else:
             member = frozen_speaker(name, *load_model(path, **bits))
         panel[name] = (member, kind)
-    policy = LMSpeaker(policy_model, tok, "agent", adapter="policy", temperature=SAMPLING_TEMPERATURE,
+    policy = LMSpeaker(policy_model, tok, "agent", adapter="policy", temperature=temperature,
                        max_new_tokens=args.max_new_tokens, name="policy")
     return Models(policy_model, tok, sim_model, sim_tok, policy, [frozen], panel)
 
@@ -292,9 +312,12 @@ def restore_args(args) -> argparse.Namespace:
     if args.env not in ("toy", saved.get("env")):    # "toy" is train.py's default: not given
         raise SystemExit(f"{run_dir} is a --env {saved.get('env')} run; resume it with "
                          f"`python train.py --env {saved.get('env')} --resume {run_dir}`")
-    merged = {**vars(args), **saved, "resume": str(run_dir)}
+    merged = {**vars(args), **{k: v for k, v in FIXED_BEFORE.items() if v is not None},
+              **saved, "resume": str(run_dir)}   # a run saved before a setting was a flag: its value then
     if args.steps is not None:
         merged["steps"] = args.steps
+    if getattr(args, "device", None) is not None:    # where it runs now: the results do not depend on it
+        merged["device"] = args.device
     return argparse.Namespace(**merged)
 
 
@@ -361,6 +384,7 @@ def panel_means(res: dict) -> dict:
     """Flat eval record: each member's mean, the seen/unseen group means, and their overall
     mean (`panel_mean`, used to pick the best checkpoint)."""
     rec = {k: v["mean"] for k, v in res.items()}
+    rec.update({f"{k}_se": v["se"] for k, v in res.items() if v.get("kind") == "group"})   # the monitor reads them
     members = [v["mean"] for v in res.values() if v.get("kind") in ("seen", "unseen")]
     rec["panel_mean"] = sum(members) / len(members)
     return rec
@@ -414,6 +438,9 @@ def check_args(args, env):
                                  f"--{key} does not apply")
     personas = persona_bank(args, env)
     check_served(args)
+    check_panel(args)
+    if args.method in TRAINS_SIMULATOR and getattr(args, "sim_reward", None) is None:
+        args.sim_reward = env.default_simulator_reward          # recorded in config.json
     args.policy, args.simulator, args.data = resolve_path(args.policy), resolve_path(args.simulator), resolve_path(args.data)
     args.personas = resolve_path(args.personas)
     for key in ("repos", "subset", "test_subset"):          # cooperbench's paths
@@ -437,6 +464,19 @@ def check_served(args):
                          f"load, not the endpoint {args.simulator}")
 
 
+def check_panel(args):
+    """--method ensemble needs two training simulators or more; without an unseen panel
+    member the collapse monitor's divergence alarm has nothing held out to read (one line)."""
+    specs = parse_panel(args.panel)
+    if args.method == "ensemble" and not any(kind == "seen" for _, kind in specs):
+        raise SystemExit("--method ensemble trains against the training simulator and every seen --panel member, "
+                         "and --panel names none, so it would train like --method single: give one or more, e.g. "
+                         "--simulator A --panel B,C (members without 'unseen:' are seen; unseen:D stays held out)")
+    if not any(kind == "unseen" for _, kind in specs):
+        print("note: no unseen --panel member, so the collapse monitor's divergence alarm is off; turn it on "
+              "with --panel unseen:MODEL (a simulator the policy never trains against)", file=sys.stderr)
+
+
 def check_memory_args(args):
     """--rollout-batch and --eval-temperature, checked before any model loads."""
     if getattr(args, "rollout_batch", None) is not None and args.rollout_batch < 1:
@@ -448,20 +488,24 @@ def check_memory_args(args):
 
 def build_real_method(args, env, personas):
     """Load the models (policy, simulator, panel) and assemble the method."""
-    torch.manual_seed(0)
-    random.seed(0)
+    seed = setting(args, "seed")
+    torch.manual_seed(seed)
+    random.seed(seed)
     models = build_models(args, train_simulator=args.method in TRAINS_SIMULATOR, partner=env.scripted_partner())
     frozen = models.frozen
     if args.method == "ensemble":           # the seen panel members are the training ensemble
         frozen = [p for p, kind in models.panel.values() if kind == "seen"]
     # skip_zero_signal: a step whose groups all have equal rewards runs no update (DESIGN_NOTES)
-    ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=SAMPLING_TEMPERATURE, beta=0.005,
-                skip_zero_signal=True)
+    ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=setting(args, "temperature"),
+                beta=setting(args, "kl"), skip_zero_signal=True)
     method = build_method(args.method, models.policy, frozen, UpdateConfig(lr=args.lr, **ucfg),
                           UpdateConfig(lr=args.sim_lr, **ucfg),
                           sim_model=models.sim_model if args.method in TRAINS_SIMULATOR else None,
-                          sim_tokenizer=models.sim_tokenizer, sim_reward=env.default_simulator_reward,
-                          personas=personas, pool_draw=getattr(args, "pool_draw", None) or "uniform")
+                          sim_tokenizer=models.sim_tokenizer,
+                          sim_reward=getattr(args, "sim_reward", None) or env.default_simulator_reward,
+                          personas=personas, pool_draw=getattr(args, "pool_draw", None) or "uniform",
+                          vs_k=setting(args, "vs_k"), pool_size=setting(args, "pool_size"),
+                          pool_every=setting(args, "pool_every"), seed=seed)
     if not getattr(args, "no_grad_checkpointing", False):   # the trained bases recompute activations
         for model in _trained_models(models, method):
             enable_checkpointing(model.get_base_model())
@@ -526,7 +570,7 @@ def default_rollout_batch(args, env, models) -> int:
     128 tokens) that is 2 x 2,304 x 112 KiB = 0.5 GB per episode, so 16 free GB give 32
     episodes at once. The rest of the free memory is left for the prefill's activations and
     the logits; these figures are estimates, not measurements."""
-    if not torch.cuda.is_available():
+    if next(models.policy_model.parameters()).device.type != "cuda":
         return CPU_ROLLOUT_BATCH
     free, _ = torch.cuda.mem_get_info()
     tokens = getattr(env, "max_turns", 10) * args.max_new_tokens + 1024
@@ -561,12 +605,12 @@ def eval_panel(panel: dict, temperature: float) -> dict:
 
 
 def evaluate_and_save(env, models, method, tasks, split, step, run_dir, best,
-                      temperature: float = 0.0) -> tuple[dict, dict]:
+                      temperature: float = 0.0, seed: int = 0) -> tuple[dict, dict]:
     """Evaluate the policy on `tasks` against the panel (one episode each, policy and
     simulators at `temperature`: 0, greedy, as the paper evaluates; on random streams of its
     own), save the adapters of this step; returns (eval record, best so far)."""
     t0 = time.perf_counter()
-    with isolated_rng(eval_seed(0, step)):   # evaluating does not change training's randomness
+    with isolated_rng(eval_seed(seed, step)):   # evaluating does not change training's randomness
         res = evaluate_panel(env, models.policy, eval_panel(models.panel, temperature), tasks,
                              episodes_per_task=1, policy_temperature=temperature)
     rec = {"kind": "eval", "step": step, "split": split, "tasks": len(tasks), **panel_means(res),
@@ -637,7 +681,10 @@ def run_real(args):
     if main:
         truncate_log(log_path, start - 1)      # steps after the saved state are redone
     served = served_speakers(method.partner, models.frozen, [s for s, _ in models.panel.values()])
-    monitor = CollapseMonitor(panel_key="panel_mean", real_key=None)   # the live collapse monitor
+    # the live collapse monitor: divergence reads the unseen members' mean (thresholds: config.json's
+    # "monitor", which `python -m minscope.monitor RUN --set ... --write` sets)
+    monitor = CollapseMonitor(cfg=MonitorConfig(**(setting(args, "monitor") or {})), panel_key="unseen",
+                              real_key=None)
     if log_path.exists():
         monitor.replay(read_jsonl(log_path, warn=lambda msg: None))
 
@@ -651,18 +698,19 @@ def run_real(args):
             if main and (step % args.eval_every == 0 or step == args.steps):
                 with rollout_batch(chunk):
                     rec, best = evaluate_and_save(env, models, method, test_tasks[: args.groups], split, step,
-                                                  run_dir, best, eval_temperature)
+                                                  run_dir, best, eval_temperature, setting(args, "seed"))
                 log_with_alarms(monitor, rec, write, tqdm.write)
             if step == args.steps:
                 break
             take_usage(served)                     # served_* metrics count this step's rollout only
             t0 = time.time()
             # Tasks drawn from a per-step seed: a resumed run draws what it would have drawn.
-            batch = random.Random(step).sample(train_tasks, min(args.groups, len(train_tasks)))
+            seed = step_seed(setting(args, "seed"), step)
+            batch = random.Random(seed).sample(train_tasks, min(args.groups, len(train_tasks)))
             batch, first_group = distributed.shard(batch)     # the whole batch in one process
             try:
                 with rollout_batch(chunk):   # each chunk of groups samples from a stream of (step, its first group)
-                    metrics = train_step(method, env, batch, args.group_size, step, first_group, seed=step)
+                    metrics = train_step(method, env, batch, args.group_size, step, first_group, seed=seed)
             except StreamError as e:
                 reason = models.policy.chat.probe() or "it renders a new turn differently from the history"
                 raise SystemExit(f"error: step {step}: {e}. The policy's chat template: {reason}. "

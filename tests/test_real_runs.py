@@ -185,11 +185,149 @@ def test_the_collapse_monitor_watches_real_runs(tmp_path, template_models, monke
     # logged with its step, printed once and shown in the report's training log
     from minscope import monitor, runner
 
-    cfg = monitor.MonitorConfig(window_steps=1, zero_var=-1.0)
-    monkeypatch.setattr(runner, "CollapseMonitor", lambda **kw: monitor.CollapseMonitor(cfg, **kw))
+    fire = monitor.MonitorConfig(window_steps=1, zero_var=-1.0)
+    monkeypatch.setattr(runner, "CollapseMonitor", lambda cfg=None, **kw: monitor.CollapseMonitor(fire, **kw))
     recs = train(tmp_path, template_models["qwen3"], method="single")
     alarms = [r for r in recs if r["kind"] == "alarm"]
     assert [(a["signal"], a["step"]) for a in alarms] == [("zero_var", 0)]
     assert capsys.readouterr().out.count("collapse monitor:") == 1
     assert "Collapse monitor (minscope/monitor.py): step 0: zero-variance groups" in "\n".join(
         training_log(tmp_path / "run"))
+
+
+# --------------------------------------------------------------------------- run settings
+def test_every_option_of_train_py_states_its_default():
+    """`python train.py --help` shows every default: each option that takes a value says
+    "default" in its help (or lists its choices with the default among them)."""
+    parser = train_cli.build_parser()
+    quiet = [a.option_strings[0] for a in parser._actions
+             if a.option_strings and a.nargs != 0 and "default" not in (a.help or "")]
+    # a run folder, a data folder and a model name have no default (run_real asks for them)
+    assert quiet == ["--resume", "--data", "--repos", "--policy"]
+    text = parser.format_help()
+    for needle in ("default 250", "smollm2", "default 0.7", "default 0.005", "default 8", "default 16",
+                   "gitlab.com/ucdavisnlp/persuasionforgood", "default 50"):
+        assert needle in text
+
+
+def test_real_run_settings_parse_with_their_defaults_and_refuse_what_does_not_apply():
+    base = ["--env", "p4g", "--data", "d", "--policy", "m"]
+    args = train_cli.parse_args(base)
+    assert (args.seed, args.temperature, args.kl, args.lora_r, args.lora_alpha, args.pool_size, args.pool_every,
+            args.vs_k, args.sim_reward, args.device) == (0, 0.7, 0.005, 8, 16, 5, 4, 5, None, "auto")
+    args = train_cli.parse_args(base + ["--method", "population", "--seed", "3", "--temperature", "1.2", "--kl", "0",
+                                        "--lora-r", "4", "--lora-alpha", "32", "--pool-size", "2", "--pool-every", "1",
+                                        "--sim-reward", "curriculum", "--device", "cpu"])
+    assert (args.seed, args.temperature, args.kl, args.lora_r, args.lora_alpha, args.pool_size, args.pool_every,
+            args.sim_reward, args.device) == (3, 1.2, 0.0, 4, 32, 2, 1, "curriculum", "cpu")
+    assert train_cli.parse_args(base + ["--method", "vs", "--vs-k", "3"]).vs_k == 3
+    for bad in (["--method", "single", "--pool-size", "3"], ["--method", "vs", "--sim-reward", "adversarial"],
+                ["--method", "cotrain", "--vs-k", "3"], ["--kl", "-1"], ["--temperature", "0"], ["--lora-r", "0"],
+                ["--device", "tpu"]):
+        with pytest.raises(SystemExit) as e:
+            train_cli.parse_args(base + bad)
+        assert e.value.code == 2, bad
+    with pytest.raises(SystemExit):                        # the toy has its own settings
+        train_cli.parse_args(["--seed", "1"])
+
+
+def test_a_run_saved_before_the_settings_were_flags_resumes_with_the_values_it_ran_with(tmp_path):
+    import argparse
+
+    from minscope import runner
+
+    (tmp_path / "config.json").write_text(json.dumps({"env": "p4g", "method": "single", "steps": 4, "lr": 1e-5}))
+    args = runner.restore_args(argparse.Namespace(resume=str(tmp_path), env="toy", steps=None, device=None,
+                                                  seed=None, kl=None))
+    assert (args.seed, args.temperature, args.kl, args.lora_r, args.lora_alpha, args.pool_size, args.pool_every,
+            args.vs_k, args.device) == (0, 0.7, 0.005, 8, 16, 5, 4, 5, "auto")
+    assert runner.setting(argparse.Namespace(), "temperature") == 0.7
+
+
+def test_real_models_run_on_cuda_then_mps_then_cpu_unless_told(monkeypatch):
+    from minscope.models import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert pick_device("auto") == pick_device(None) == "cpu"
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert pick_device("auto") == "mps" and pick_device("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pick_device("auto") == "cuda" and pick_device("mps") == "mps"
+
+
+def test_the_divergence_alarm_reads_the_unseen_members_and_their_noise():
+    from minscope.monitor import CollapseMonitor
+    from minscope.runner import panel_means
+
+    res = {"train-simulator": {"kind": "seen", "mean": 0.5, "se": 0.1},
+           "b": {"kind": "unseen", "mean": 0.4, "se": 0.1},
+           "seen": {"kind": "group", "mean": 0.5, "se": 0.1}, "unseen": {"kind": "group", "mean": 0.4, "se": 0.1}}
+    rec = panel_means(res)
+    assert rec["unseen"] == 0.4 and rec["unseen_se"] == 0.1 and rec["panel_mean"] == pytest.approx(0.45)
+    mon = CollapseMonitor(panel_key="unseen", real_key=None)
+    alarms = []
+    for step, (train_r, unseen) in enumerate([(0.2, 0.6), (0.5, 0.5), (0.8, 0.2)]):
+        mon.on_record({"kind": "train", "step": 2 * step, "train_reward": train_r})
+        alarms += mon.on_record({"kind": "eval", "step": 2 * step + 1, "unseen": unseen, "unseen_se": 0.1})
+    assert [a["signal"] for a in alarms] == ["divergence"]     # fell 0.4 > 2 x sqrt(2) x 0.1
+
+
+def test_ensemble_needs_two_training_simulators_and_no_unseen_member_turns_the_divergence_alarm_off(
+        tmp_path, template_models, capsys):
+    model = template_models["qwen3"]
+    for panel in ([], ["--panel", f"unseen:{model}"]):
+        with pytest.raises(SystemExit, match="--method ensemble trains against the training simulator and every "
+                                             "seen --panel member.*--panel B,C"):
+            train(tmp_path, model, *panel, method="ensemble")
+    train(tmp_path / "a", model, "--steps", "0", method="single")
+    assert capsys.readouterr().err.count("divergence alarm is off; turn it on with --panel unseen:MODEL") == 1
+    recs = train(tmp_path / "b", model, "--steps", "0", "--panel", f"unseen:{model}", method="single")
+    assert "divergence alarm is off" not in capsys.readouterr().err
+    assert "unseen" in recs[0] and "unseen_se" in recs[0]
+
+
+def test_a_real_run_uses_its_settings_the_monitor_reads_it_and_a_resume_keeps_both(tmp_path, template_models,
+                                                                                     monkeypatch, capsys):
+    from minscope import monitor, runner
+
+    built = []
+    real_build = runner.build_method
+
+    def spy(name, policy, frozen, policy_cfg, sim_cfg=None, **kw):
+        built.append(dict(kw, temperature=policy.temperature, beta=(policy_cfg.beta, sim_cfg.beta),
+                          policy_temperature=policy_cfg.temperature))
+        return real_build(name, policy, frozen, policy_cfg, sim_cfg, **kw)
+    monkeypatch.setattr(runner, "build_method", spy)
+    settings = ["--seed", "3", "--temperature", "0.9", "--kl", "0.02", "--lora-r", "4", "--lora-alpha", "8",
+                "--pool-size", "2", "--pool-every", "1", "--sim-reward", "cooperative"]
+    recs = train(tmp_path, template_models["qwen3"], *settings)
+    run = tmp_path / "run"
+    saved = json.loads((run / "config.json").read_text())
+    assert {k: saved[k] for k in ("seed", "temperature", "kl", "lora_r", "lora_alpha", "pool_size", "pool_every",
+                                  "sim_reward")} == dict(seed=3, temperature=0.9, kl=0.02, lora_r=4, lora_alpha=8,
+                                                         pool_size=2, pool_every=1, sim_reward="cooperative")
+    adapter = json.loads(next((run / "policy-step2").rglob("adapter_config.json")).read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (4, 8)
+    first = built[-1]
+    assert first["temperature"] == first["policy_temperature"] == 0.9 and first["beta"] == (0.02, 0.02)
+    assert (first["seed"], first["pool_size"], first["pool_every"], first["sim_reward"]) == (3, 2, 1, "cooperative")
+    assert [r["pool_size"] for r in recs if r["kind"] == "train"] == [1, 2]
+
+    # python -m minscope.monitor reads the real run, and --write keeps other thresholds
+    capsys.readouterr()
+    monitor.main([str(run), "--set", "window_steps=1", "--set", "zero_var=-1", "--write"])
+    out = capsys.readouterr().out
+    assert "run                          first step of each signal" in out and "zero_var 0" in out
+    assert [r["signal"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "alarm"] == ["zero_var"]
+
+    # the resume keeps every setting (and the monitor's thresholds); a changed one is refused
+    with pytest.raises(SystemExit) as e:
+        train_cli.main(["--env", "p4g", "--resume", str(run), "--kl", "0.1"])
+    assert e.value.code == 2
+    train_cli.main(["--env", "p4g", "--resume", str(run), "--steps", "3"])
+    assert built[-1] == first
+    again = json.loads((run / "config.json").read_text())
+    assert {k: again[k] for k in saved if k not in ("steps",)} == {k: saved[k] for k in saved if k != "steps"}
+    assert again["monitor"]["zero_var"] == -1 and again["steps"] == 3
