@@ -34,7 +34,9 @@ import inspect
 
 import torch
 
-MIN_PREFIX = 16      # shorter common prefixes are not worth a separate forward
+# Shorter common prefixes are not worth a separate forward (and the toy's prompts, all shorter,
+# keep the plain path's numbers exactly).
+MIN_PREFIX = 64
 
 
 class PrefixKV:
@@ -134,10 +136,12 @@ def hidden_states(model, input_ids, attention_mask, prefix: int = 0) -> torch.Te
     return out.last_hidden_state
 
 
-def plan(input_ids, attention_mask, loss_mask, micro_batch: int, min_prefix: int = MIN_PREFIX):
+def plan(input_ids, attention_mask, loss_mask, micro_batch: int, min_prefix: int | None = None):
     """Units of at most `micro_batch` consecutive rows: (rows, prefix, length) with `prefix`
-    ids shared by the unit's rows and no trained token among ids 1..prefix (0: a plain
-    micro-batch), and `length` the unit's longest row."""
+    ids shared by the unit's rows and no trained token among ids 1..prefix, and `length` the
+    unit's longest row; or (rows, 0, the batch's width): a plain micro-batch, exactly as
+    without sharing (rows that share nothing make the same micro-batches as before)."""
+    min_prefix = MIN_PREFIX if min_prefix is None else min_prefix
     lengths = attention_mask.sum(1).tolist()
     trained = loss_mask != 0
     # loss position t trains id t+1: a prefix of P ids is shared only if positions < P carry no loss
@@ -166,7 +170,8 @@ def plan(input_ids, attention_mask, loss_mask, micro_batch: int, min_prefix: int
         else:
             units.append(([i], 0))
         i += 1
-    return [(rows, p, max(lengths[r] for r in rows)) for rows, p in units]
+    width = input_ids.shape[1]
+    return [(rows, p, max(lengths[r] for r in rows) if p else width) for rows, p in units]
 
 
 def fed_tokens(attention_mask, units) -> int:

@@ -27,7 +27,7 @@ def grouped_episodes(vocab: int, groups=3, group_size=4, seed=0):
     rand = lambda n: torch.randint(1, vocab, (n,), generator=gen).tolist()   # noqa: E731
     episodes = []
     for g in range(groups):
-        prompt = rand(24 + 7 * g)
+        prompt = rand(70 + 7 * g)
         for i in range(group_size):
             head = prompt if g < groups - 1 else prompt[:5] + rand(20)
             ids, mask = list(head), [0] * len(head)
@@ -80,7 +80,7 @@ def test_shared_prefix_update_equals_the_plain_one_for_any_micro_batch(tokenizer
     plain, g0 = run_update(base, episodes, adv, False, micro_batch=micro_batch, aggregation=aggregation)
     shared, g1 = run_update(base, episodes, adv, True, micro_batch=micro_batch, aggregation=aggregation)
     if micro_batch == 1:        # nothing to share within a unit of one row: the plain path exactly
-        assert shared["tokens_forward"] == plain["tokens_forward"]
+        assert shared["tokens_forward"] == plain["tokens_forward"] and shared["loss"] == plain["loss"]
     else:
         assert shared["tokens_forward"] < plain["tokens_forward"]
     assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-7)
@@ -95,7 +95,7 @@ def test_plan_shares_only_untrained_common_prefixes():
     loss[0, 4:] = 1          # row 0 trains ids 5.. : its prefix may be at most 4 ids
     loss[2, 2:] = 1          # row 2 trains from id 3: at most 2
     units = prefix.plan(ids, attn, loss, micro_batch=8, min_prefix=2)
-    assert units == [([0, 1, 2], 2, 7), ([3], 0, 5)]
+    assert units == [([0, 1, 2], 2, 7), ([3], 0, 7)]
     assert prefix.plan(ids, attn, loss, micro_batch=2, min_prefix=2) == [([0, 1], 4, 7), ([2, 3], 0, 7)]
     assert prefix.fed_tokens(attn, [([0, 1, 2], 2, 7), ([3], 0, 5)]) == 2 + 4 + 5 + 5 + 5
 
@@ -135,8 +135,8 @@ def test_sampling_with_shared_prefixes_draws_the_same_tokens(tiny_model, tokeniz
     model = add_adapters(tiny_model, ["one", "two"], init_lora_weights=False)
     gen = torch.Generator().manual_seed(3)
     rand = lambda n: torch.randint(3, len(tokenizer), (n,), generator=gen).tolist()   # noqa: E731
-    a, b = rand(30), rand(20)
-    prompts = [a + rand(3), a + rand(5), a + rand(1), b + rand(4), b + rand(2), rand(25), a[:18] + rand(3)]
+    a, b = rand(80), rand(70)
+    prompts = [a + rand(3), a + rand(5), a + rand(1), b + rand(4), b + rand(2), rand(75), a[:68] + rand(3)]
     names = ["one", "one", "two", "one", "one", "two", "one"]
     out, fed = [], []
     for share in (False, True):
@@ -150,8 +150,8 @@ def test_sampling_with_shared_prefixes_draws_the_same_tokens(tiny_model, tokeniz
     assert ids0 == ids1
     assert all(torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5) for x, y in zip(lp0, lp1))
     assert fed[0] == [len(p) for p in prompts]
-    # rows 0, 1 and 6 share 18 ids (row 0 feeds them); 3 and 4 share b; 2 (another adapter) and 5 are alone
-    assert fed[1][1] == 35 - 18 and fed[1][6] == 3 and fed[1][4] == 2
+    # rows 0, 1 and 6 share 68 ids (row 0 feeds them); 3 and 4 share b; 2 (another adapter) and 5 are alone
+    assert fed[1][1] == 85 - 68 and fed[1][6] == 3 and fed[1][4] == 2
     assert fed[1][0] == fed[0][0] and fed[1][3] == fed[0][3] and fed[1][2] == fed[0][2] and fed[1][5] == fed[0][5]
 
 
@@ -163,10 +163,10 @@ class Persuade(Environment):
         return ["alpha", "beta"]
 
     def agent_messages(self, task):
-        return [{"role": "system", "content": "you are the agent, be kind and persuasive " * 3}]
+        return [{"role": "system", "content": "you are the agent, be kind and persuasive " * 10}]
 
     def partner_messages(self, task):
-        return [{"role": "system", "content": f"you are the user called {task}; " + "answer briefly and honestly " * 4}]
+        return [{"role": "system", "content": f"you are the user called {task}; " + "answer briefly and honestly " * 12}]
 
     def score(self, episode):
         return float(len(episode.turns[0].text) % 2), {}
