@@ -7,7 +7,10 @@ on the same fixed evaluation batch (every training request, --per-task episodes 
 fixed random stream) before and after (`minscope.learning`). Prints one row per run and a
 summary per learning rate; --out writes the rows as JSON.
 
-    OMP_NUM_THREADS=1 python bench/learning_rate.py --lrs 1e-5,1e-4,5e-4,1e-3 --seeds 0,1 --steps 6
+    OMP_NUM_THREADS=1 python bench/learning_rate.py --lrs 1e-5,1e-4,5e-4,1e-3 --seeds 0,1
+
+The defaults (4 steps, 12 tokens an answer, 64 evaluation episodes) are those of the CI check,
+tests/test_learning_smollm2.py.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ def main(argv=None):
     p.add_argument("--model", default="smollm2", help="policy model (default smollm2)")
     p.add_argument("--lrs", default="1e-5,1e-4,5e-4,1e-3", help="comma-separated learning rates")
     p.add_argument("--seeds", default="0,1", help="comma-separated training seeds")
-    p.add_argument("--steps", type=int, default=6, help="GRPO updates per run")
+    p.add_argument("--steps", type=int, default=4, help="GRPO updates per run (default 4, as the CI check)")
     p.add_argument("--max-new-tokens", type=int, default=12, help="tokens per answer")
-    p.add_argument("--per-task", type=int, default=16, help="evaluation episodes per request")
+    p.add_argument("--per-task", type=int, default=16, help="evaluation episodes per request (default 16: 64 in all)")
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_args(argv)
     quiet()

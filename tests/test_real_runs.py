@@ -331,3 +331,23 @@ def test_a_real_run_uses_its_settings_the_monitor_reads_it_and_a_resume_keeps_bo
     again = json.loads((run / "config.json").read_text())
     assert {k: again[k] for k in saved if k not in ("steps",)} == {k: saved[k] for k in saved if k != "steps"}
     assert again["monitor"]["zero_var"] == -1 and again["steps"] == 3
+
+
+def test_an_environment_with_a_scripted_partner_plays_it_and_the_run_prints_its_reward_curve(
+        tmp_path, template_models, capsys):
+    """`--env numbers` (and wordgame): the environment's own asker is the training partner and
+    the whole panel, no simulator model is loaded, and the run ends with its reward curve."""
+    run = ["--env", "numbers", "--policy", template_models["qwen3"], "--runs-dir", str(tmp_path), *TINY]
+    train_cli.main([*run, "--name", "run"])
+    recs = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps, evals = [r for r in recs if r["kind"] == "train"], [r for r in recs if r["kind"] == "eval"]
+    assert [r["served_by"] for r in steps] == [{"asker": 2}, {"asker": 2}]
+    assert [set(r) & {"asker", "train-simulator"} for r in evals] == [{"asker"}, {"asker"}]
+    out = capsys.readouterr().out
+    rewards = " ".join(f"{r['train_reward']:.2f}" for r in steps)
+    assert f"training reward per step: {rewards}\n" in out and "evaluation (panel mean) at step: 0: " in out
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["scripted_partner"] == "asker"
+    with pytest.raises(SystemExit, match="plays its own scripted asker: only --method single applies"):
+        train_cli.main([*run, "--name", "vs", "--method", "vs"])
+    with pytest.raises(SystemExit, match="plays its own scripted asker; --simulator does not apply"):
+        train_cli.main([*run, "--name", "sim", "--simulator", template_models["qwen3"]])

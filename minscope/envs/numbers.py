@@ -63,5 +63,9 @@ class Asker:
     """The scripted partner: makes the episode's request, word for word."""
     name = "asker"
 
+    def assign(self, episodes):
+        for ep in episodes:
+            ep.partner_name = self.name
+
     def respond(self, episodes, env):
         return [Turn("partner", ep.task) for ep in episodes]

@@ -56,5 +56,9 @@ class Asker:
     """The scripted partner: asks for the episode's word."""
     name = "asker"
 
+    def assign(self, episodes):
+        for ep in episodes:
+            ep.partner_name = self.name
+
     def respond(self, episodes, env):
         return [Turn("partner", f"say {ep.task}") for ep in episodes]
