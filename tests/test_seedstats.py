@@ -86,3 +86,28 @@ def test_the_report_gives_seed_intervals_and_paired_differences_at_both_checkpoi
     md = "\n".join(report.paired_md(res))
     assert "| Verbalized Sampling | RL (Single) | 0.300 (" in md and "| 3/3 | above |" in md
     json.dumps(res)                                       # results.json stays writable
+
+
+def test_the_seed_table_pools_run_folders_and_leaves_out_unfinished_arms(tmp_path, capsys):
+    def run_folder(name, methods, seeds, finished):
+        d = tmp_path / name
+        (d / "arms").mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({"methods": methods, "seeds": seeds, "steps": 10, "gamma": 8.0,
+                                                   "models": {}}))
+        for m in methods:
+            for s in seeds:
+                steps = (0,) if m == "base" else (0, 10) if (m, s) in finished else (0,)
+                real = {"base": [0.31], "single": [0.3, 0.1 + s / 100], "vs": [0.3, 0.4 + s / 50]}[m]
+                recs = records(m, s, real[:len(steps)], [0.5] * len(steps), steps=steps, acts=1.0)
+                (d / "arms" / f"{m}-s{s}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return str(d)
+
+    a = run_folder("a", ["base", "single", "vs"], [1, 2], {("single", 1), ("single", 2), ("vs", 1), ("vs", 2)})
+    b = run_folder("b", ["base", "single", "vs"], [3], {("single", 3)})          # vs-s3 still running
+    report.main(["--seed-table", a, b])
+    out = capsys.readouterr().out
+    assert "seeds with a finished arm: 1, 2, 3" in out and "(note: b/vs-s3: not finished)" in out
+    assert "| RL (Single) | 0.120 (" in out                 # .11 .12 .13 over seeds 1-3
+    assert "| Verbalized Sampling | RL (Single) | 0.315 (" in out and "| 2/2 |" in out   # seeds 1, 2 only
+    with pytest.raises(SystemExit, match="both"):
+        report.main(["--seed-table", a, a])
