@@ -88,7 +88,11 @@ def notebook_ids():
 
 # the CPU notebooks are stored with the outputs of a full run (not the fast mode), so that they
 # read on the page; 06 needs a GPU for part of it and is stored without
-STORED_WITH_OUTPUTS = ["01_simulator_collapse"]
+STORED_WITH_OUTPUTS = ["01_simulator_collapse", "02_grpo_from_scratch", "03_fused_logprobs",
+                       "04_verbalized_sampling"]
+# EXPECTED lines whose numbers depend on the fast mode, and what a full run prints instead
+FULL_RUN = {"naive log_softmax    saved for backward   148.377 MB": "naive log_softmax    saved for backward   593.508 MB",
+            "chunked, chunk 64    saved for backward     0.003 MB": "chunked, chunk 64    saved for backward     0.012 MB"}
 
 
 def stored_stdout(nb) -> str:
@@ -106,6 +110,7 @@ def test_every_notebook_is_executed_here_and_the_cpu_ones_are_stored_with_a_full
         assert not any(o.get("output_type") == "error" for c in code for o in c.get("outputs", [])), name
         out = stored_stdout(nb)
         for line in EXPECTED[name]:       # what the code prints today, as the stored run printed it
+            line = FULL_RUN.get(line, line)
             assert line in out, f"{name}: the stored outputs lack {line!r}: re-execute the notebook"
 
 
