@@ -9,8 +9,8 @@ process per available CPU core: 11 min 37 s on two free cores, cold (23 CPU-minu
 The tiny models ship with the code (minscope/toy_weights), so a first run trains none; a
 progress line after each arm says how many are done and the time left. Ctrl-C
 loses at most one step (--resume continues). Results land in runs/<name>/ (report.md,
-results.json, plots). `--quick` runs the same code path in about three minutes (1 seed,
-4 arms, small models: a smoke run, too small to show the effect).
+results.json, plots). `--quick` runs the same code path in 552 CPU-seconds cold (1 seed,
+4 arms, small models trained first: a smoke run, too small to show the effect; README "Run it").
 
 Real models and benchmarks:
     python train.py --env p4g --data PATH --policy Qwen/Qwen3-1.7B --simulator Qwen/Qwen3-1.7B --method vs
@@ -92,7 +92,8 @@ def build_parser():
     p.add_argument("--env", default="toy", choices=["toy", "p4g", "tau2", "cooperbench", "wordgame", "numbers"],
                    help="environment (default: the built-in toy persuasion experiment; numbers: a real model "
                    "learns to say a number above 50 in minutes on a CPU, e.g. --policy smollm2)")
-    p.add_argument("--quick", action="store_true", help="toy: a ~3 minute smoke run of the same code path (too small to show the effect)")
+    p.add_argument("--quick", action="store_true", help="toy: a smoke run of the same code path, 1 seed, 4 arms, "
+                   "small models (552 CPU-seconds cold; too small to show the effect)")
     p.add_argument("--name", help="run name: results go to RUNS_DIR/NAME (default: toy / toy-quick / env-method)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its saved state")
     p.add_argument("--runs-dir", help="where runs are written (default: runs)")

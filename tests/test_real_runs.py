@@ -295,24 +295,24 @@ def test_a_real_run_uses_its_settings_the_monitor_reads_it_and_a_resume_keeps_bo
     real_build = runner.build_method
 
     def spy(name, policy, frozen, policy_cfg, sim_cfg=None, **kw):
-        built.append(dict(kw, temperature=policy.temperature, beta=(policy_cfg.beta, sim_cfg.beta),
+        built.append(dict({k: kw[k] for k in ("seed", "pool_size", "pool_every", "sim_reward", "vs_k")},
+                          temperature=policy.temperature, beta=(policy_cfg.beta, sim_cfg.beta),
                           policy_temperature=policy_cfg.temperature))
         return real_build(name, policy, frozen, policy_cfg, sim_cfg, **kw)
     monkeypatch.setattr(runner, "build_method", spy)
     settings = ["--seed", "3", "--temperature", "0.9", "--kl", "0.02", "--lora-r", "4", "--lora-alpha", "8",
-                "--pool-size", "2", "--pool-every", "1", "--sim-reward", "cooperative"]
-    recs = train(tmp_path, template_models["qwen3"], *settings)
+                "--pool-size", "2", "--pool-every", "1", "--sim-reward", "cooperative", "--steps", "1", "--eval-every", "1"]
+    train(tmp_path, template_models["qwen3"], *settings)
     run = tmp_path / "run"
     saved = json.loads((run / "config.json").read_text())
     assert {k: saved[k] for k in ("seed", "temperature", "kl", "lora_r", "lora_alpha", "pool_size", "pool_every",
                                   "sim_reward")} == dict(seed=3, temperature=0.9, kl=0.02, lora_r=4, lora_alpha=8,
                                                          pool_size=2, pool_every=1, sim_reward="cooperative")
-    adapter = json.loads(next((run / "policy-step2").rglob("adapter_config.json")).read_text())
+    adapter = json.loads(next((run / "policy-step1").rglob("adapter_config.json")).read_text())
     assert (adapter["r"], adapter["lora_alpha"]) == (4, 8)
     first = built[-1]
     assert first["temperature"] == first["policy_temperature"] == 0.9 and first["beta"] == (0.02, 0.02)
     assert (first["seed"], first["pool_size"], first["pool_every"], first["sim_reward"]) == (3, 2, 1, "cooperative")
-    assert [r["pool_size"] for r in recs if r["kind"] == "train"] == [1, 2]
 
     # python -m minscope.monitor reads the real run, and --write keeps other thresholds
     capsys.readouterr()
@@ -326,11 +326,13 @@ def test_a_real_run_uses_its_settings_the_monitor_reads_it_and_a_resume_keeps_bo
     with pytest.raises(SystemExit) as e:
         train_cli.main(["--env", "p4g", "--resume", str(run), "--kl", "0.1"])
     assert e.value.code == 2
-    train_cli.main(["--env", "p4g", "--resume", str(run), "--steps", "3"])
+    train_cli.main(["--env", "p4g", "--resume", str(run), "--steps", "2"])
     assert built[-1] == first
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["pool_size"] for r in recs if r["kind"] == "train"] == [1, 2]     # K = 2, a snapshot each step
     again = json.loads((run / "config.json").read_text())
     assert {k: again[k] for k in saved if k not in ("steps",)} == {k: saved[k] for k in saved if k != "steps"}
-    assert again["monitor"]["zero_var"] == -1 and again["steps"] == 3
+    assert again["monitor"]["zero_var"] == -1 and again["steps"] == 2
 
 
 def test_an_environment_with_a_scripted_partner_plays_it_and_the_run_prints_its_reward_curve(
