@@ -207,8 +207,10 @@ def share_prefixes(model, cache: KVCache, prompts, reused, adapter_names, pad_id
         dst = torch.tensor([back[r] for r in rows[1:]], device=device)
         for buf in cache.keys + cache.values:
             if buf is not None:
-                buf[dst, :, cols] = buf[j, :, cols].unsqueeze(0)
-        cache.mask[dst, cols] = cache.mask[j, cols].unsqueeze(0)
+                # (a copy of the source: when the columns span the whole buffer, torch refuses
+                # to write rows of a tensor from a view into that same tensor)
+                buf[dst, :, cols] = buf[j, :, cols].clone().unsqueeze(0)
+        cache.mask[dst, cols] = cache.mask[j, cols].clone().unsqueeze(0)
         for r in rows:
             cache.cached[back[r]] = list(prompts[r][:n])
             reused[r] = n
