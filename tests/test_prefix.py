@@ -155,6 +155,24 @@ def test_sampling_with_shared_prefixes_draws_the_same_tokens(tiny_model, tokeniz
     assert fed[1][0] == fed[0][0] and fed[1][3] == fed[0][3] and fed[1][2] == fed[0][2] and fed[1][5] == fed[0][5]
 
 
+def test_a_shared_prefix_that_fills_the_whole_cache_is_copied_to_every_row(tiny_model, tokenizer):
+    """Regression: 64 shared ids on an empty cache reserve exactly 64 columns, so the copy reads
+    the leader's whole buffer row; the rows still get the same tokens as full prefills."""
+    from minscope.kvcache import KVCache
+    gen = torch.Generator().manual_seed(5)
+    head = torch.randint(3, len(tokenizer), (64,), generator=gen).tolist()
+    prompts = [head + [t] for t in (5, 6, 7, 8)]           # 65 ids: the last one starts the turn
+    out = []
+    for share in (False, True):
+        torch.manual_seed(1)
+        cache = KVCache()
+        out.append(sample(tiny_model, prompts, tokenizer.pad_token_id, {tokenizer.eos_token_id}, 4, 1.0,
+                          cache=cache, share_prefix=share))
+        if share:
+            assert cache.last_prefilled == [65, 1, 1, 1]         # the leader feeds the 64 shared ids
+    assert out[0][0] == out[1][0]
+
+
 class Persuade(Environment):
     """Both parties have long system prompts; three turns each; a group's episodes share them."""
     max_turns = 6
