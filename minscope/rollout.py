@@ -495,7 +495,8 @@ class LMSpeaker:
         else:   # a population: one batch, one adapter per row ("__base__" = no adapter);
             # a row's adapter is fixed for its episode, so its cached keys/values stay valid
             ids, logps = sample(self.model, prompts, adapter_names=[n or "__base__" for n in names], **kwargs)
-        for ep, name, fed, copied, gen in zip(episodes, names, cache.last_prefilled, cache.last_shared, ids):
+        copies = cache.last_shared if len(cache.last_shared) == len(ids) else [0] * len(ids)   # (another sampler)
+        for ep, name, fed, copied, gen in zip(episodes, names, cache.last_prefilled, copies, ids):
             count = ep.info.setdefault("tokens", {}).setdefault(self.role, {"prefilled": 0, "generated": 0})
             count["prefilled"] += fed
             count["shared"] = count.get("shared", 0) + copied     # ids copied from another row's prefill

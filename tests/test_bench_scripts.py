@@ -20,13 +20,15 @@ def test_bench_script_runs_from_anywhere_without_pythonpath(script, tmp_path):
 
 
 def test_step_benchmark_compares_the_kept_cache_with_re_prefilling(tmp_path):
-    """bench/step.py on CPU, tiny settings: a full step per mode, and the prefill line."""
+    """bench/step.py on CPU, tiny settings: a full step per mode, and the prefill line (prefix
+    sharing off: re-prefilling feeds every stream whole, as `generate` does)."""
     import json
 
     out = tmp_path / "step.json"
     run = subprocess.run([sys.executable, str(BENCH / "step.py"), "--device", "cpu", "--methods", "population",
                           "--turns", "3", "--turn-tokens", "6", "--tasks", "2", "--group-size", "2",
-                          "--warmup", "0", "--modes", "kept,reprefill,generate", "--json", str(out)],
+                          "--warmup", "0", "--modes", "kept,reprefill,generate", "--prefix-sharing", "off",
+                          "--json", str(out)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-1500:]
     rows = {r["mode"]: r for r in json.loads(out.read_text())}
