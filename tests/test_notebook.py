@@ -90,10 +90,11 @@ def notebook_ids():
 # the CPU notebooks are stored with the outputs of a full run (not the fast mode), so that they
 # read on the page; 06 needs a GPU for part of it and is stored without
 STORED_WITH_OUTPUTS = ["01_simulator_collapse", "02_grpo_from_scratch", "03_fused_logprobs",
-                       "04_verbalized_sampling"]
+                       "04_verbalized_sampling", "05_cotraining_and_population"]
 # EXPECTED lines whose numbers depend on the fast mode, and what a full run prints instead
 FULL_RUN = {"naive log_softmax    saved for backward   148.377 MB": "naive log_softmax    saved for backward   593.508 MB",
-            "chunked, chunk 64    saved for backward     0.003 MB": "chunked, chunk 64    saved for backward     0.012 MB"}
+            "chunked, chunk 64    saved for backward     0.003 MB": "chunked, chunk 64    saved for backward     0.012 MB",
+            "6 steps in": "24 steps in"}
 
 
 def stored_stdout(nb) -> str:
