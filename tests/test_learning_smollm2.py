@@ -16,7 +16,6 @@ import math
 
 import pytest
 
-import train as train_cli
 from minscope import learning
 from minscope.envs.numbers import Numbers
 from minscope.models import add_adapters, load_model
@@ -28,7 +27,7 @@ STEPS = 4
 PER_TASK = 16            # 4 requests x 16 = 64 episodes in the evaluation batch
 MAX_NEW_TOKENS = 12      # room for "The number is 73." and a little more
 MARGIN_SE = 4
-LR = train_cli.REAL_DEFAULTS["lr"]
+LR = 1e-3
 
 
 @pytest.fixture(scope="module")
