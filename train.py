@@ -59,8 +59,9 @@ def positive_float(text: str) -> float:
 
 # Settings of real-model runs, and their defaults. Their command-line default is None, so
 # that a toy run and a --resume can tell a flag that was given from one that was not.
-REAL_DEFAULTS = dict(method="single", domain="retail", panel="", groups=16, group_size=8, lr=1e-5,
-                     sim_lr=1e-5, eval_every=16, max_new_tokens=128, micro_batch=8)
+# lr, sim_lr: LoRA's, not the paper's full fine-tuning 1e-6 (docs/DESIGN_NOTES.md; the sweep: docs/REAL_MODELS.md)
+REAL_DEFAULTS = dict(method="single", domain="retail", panel="", groups=16, group_size=8, lr=5e-4,
+                     sim_lr=5e-4, eval_every=16, max_new_tokens=128, micro_batch=8)
 REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "panel", "load_in_4bit",
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
              "no_grad_checkpointing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
@@ -158,8 +159,8 @@ def build_parser():
     p.add_argument("--groups", type=whole(1), help=f"tasks per step (real env default {real['groups']}; toy {toy.groups}, --quick {quick.groups})")
     p.add_argument("--group-size", type=whole(2), help=f"trajectories per task, G (real env default "
                    f"{real['group_size']}; toy {toy.group_size}); GRPO compares them, so at least 2")
-    p.add_argument("--lr", type=positive_float, help="real env: policy LoRA learning rate (default 1e-5)")
-    p.add_argument("--sim-lr", type=positive_float, help="real env: simulator LoRA learning rate (default 1e-5)")
+    p.add_argument("--lr", type=positive_float, help=f"real env: policy LoRA learning rate (default {real['lr']:g})")
+    p.add_argument("--sim-lr", type=positive_float, help=f"real env: simulator LoRA learning rate (default {real['sim_lr']:g})")
     p.add_argument("--pool-draw", choices=("uniform", "hardest"), help="real env, --method population: how each "
                    "group draws its simulator from the pool: uniform (the paper, default) or hardest (the pool "
                    "curator: weight (1 - r)^2 + 0.01, r the policy's recent reward against that snapshot; "

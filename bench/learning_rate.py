@@ -8,6 +8,10 @@ fixed random stream) before and after (`minscope.learning`). Prints one row per 
 summary per learning rate; --out writes the rows as JSON.
 
     OMP_NUM_THREADS=1 python bench/learning_rate.py --lrs 1e-5,1e-4,5e-4,1e-3 --seeds 0,1
+    OMP_NUM_THREADS=1 python bench/learning_rate.py --lrs 1e-3 --seeds 0 --broken sign   # must not learn
+
+--broken breaks the update on purpose, to see that the check catches it: `sign` flips the
+advantages, `mask` puts the loss on the prompt's tokens instead of the sampled ones.
 
 The defaults (4 steps, 12 tokens an answer, 64 evaluation episodes) are those of the CI check,
 tests/test_learning_smollm2.py.
@@ -16,6 +20,7 @@ tests/test_learning_smollm2.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -25,10 +30,28 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from minscope import learning  # noqa: E402
+from minscope import learning, methods, trainer  # noqa: E402
 from minscope.envs.numbers import Numbers  # noqa: E402
 from minscope.models import add_adapters, load_model, quiet  # noqa: E402
 from minscope.rollout import LMSpeaker  # noqa: E402
+
+
+def break_update(how: str) -> None:
+    """Break the GRPO update on purpose: flip the advantages' sign, or train on the wrong tokens."""
+    if how == "sign":
+        advantages = methods.group_advantages
+
+        def flipped(rewards, group_size):
+            adv, zero_var = advantages(rewards, group_size)
+            return -adv, zero_var
+        methods.group_advantages = flipped
+    else:
+        batch_of = trainer.training_batch
+
+        def prompt_tokens(*a, **kw):
+            b = batch_of(*a, **kw)
+            return dataclasses.replace(b, loss_mask=b.attention_mask[:, 1:].to(b.loss_mask.dtype) * (1 - b.loss_mask))
+        trainer.training_batch = prompt_tokens
 
 
 def main(argv=None):
@@ -39,8 +62,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=4, help="GRPO updates per run (default 4, as the CI check)")
     p.add_argument("--max-new-tokens", type=int, default=12, help="tokens per answer")
     p.add_argument("--per-task", type=int, default=16, help="evaluation episodes per request (default 16: 64 in all)")
+    p.add_argument("--broken", choices=("sign", "mask"), help="break the update on purpose (see above)")
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_args(argv)
+    if args.broken:
+        break_update(args.broken)
     quiet()
     env = Numbers()
     model, tok = load_model(args.model)
@@ -59,7 +85,7 @@ def main(argv=None):
             kl = []
             rewards = learning.train(policy, env, args.steps, lr, seed, log=lambda s, m: kl.append(m["kl"]))
             after, eps = learning.success_rate(policy, env, tasks, args.per_task)
-            row = dict(lr=lr, seed=seed, steps=args.steps, before=before, after=after, n=n,
+            row = dict(broken=args.broken or "", lr=lr, seed=seed, steps=args.steps, before=before, after=after, n=n,
                        train_reward=[round(r, 3) for r in rewards], max_kl=max(kl),
                        seconds=round(time.perf_counter() - t0, 1), sample=[e.turns[-1].text for e in eps[:3]])
             rows.append(row)

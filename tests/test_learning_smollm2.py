@@ -2,21 +2,20 @@
 
 The task is `numbers` (minscope/envs/numbers.py): the scripted asker says "Say a number
 greater than 50." (or one of three rewordings), the policy answers once, the reward is 1 when
-the first number in the answer is above 50. SmolLM2 answers so about one time in seven. The
+the first number in the answer is above 50. SmolLM2 answers so about one time in ten. The
 policy is a fresh rank-8 LoRA on every linear layer, trained at train.py's real-model settings
-(the default learning rate, temperature 0.7, KL 0.005, 2 requests x G = 8 a step) for STEPS
-updates, twice, from two seeds. Its success rate on a fixed evaluation batch (every request
-PER_TASK times, one fixed random stream) must rise by MARGIN_SE standard errors of the
+(temperature 0.7, KL 0.005, 2 requests x G = 8 a step) but at lr 1e-3, twice train.py's default,
+so that STEPS updates clear the margin with room, twice, from two seeds. Its success rate on a
+fixed evaluation batch (every request PER_TASK times, one fixed random stream) must rise by MARGIN_SE standard errors of the
 difference, which sampling noise does not reach. A broken update does not pass: with a zero
-learning rate the adapter does not move and the rate is exactly the same; with the advantage's
-sign flipped or the loss on the wrong tokens it does not rise (docs/REAL_MODELS.md, "A real
-model learns").
+learning rate the adapter does not move and the rate is exactly the same; with the advantages'
+sign flipped it fell, 0.094 -> 0.031 (docs/REAL_MODELS.md, "A real model learns";
+`bench/learning_rate.py --broken sign`).
 """
 import math
 
 import pytest
 
-import train as train_cli
 from minscope import learning
 from minscope.envs.numbers import Numbers
 from minscope.models import add_adapters, load_model
@@ -28,7 +27,7 @@ STEPS = 4
 PER_TASK = 16            # 4 requests x 16 = 64 episodes in the evaluation batch
 MAX_NEW_TOKENS = 12      # room for "The number is 73." and a little more
 MARGIN_SE = 4
-LR = train_cli.REAL_DEFAULTS["lr"]
+LR = 1e-3
 
 
 @pytest.fixture(scope="module")
