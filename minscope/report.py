@@ -618,7 +618,7 @@ def finished_records(run_dirs) -> tuple[list[dict], list[str]]:
 def seed_table_md(results) -> list[str]:
     """The per-arm table and the paired comparisons, for RESULTS.md."""
     main = [r for m, r in results["methods"].items() if ":" not in m]
-    return TABLE_HEADER + [table_row(r) for r in main] + [""] + paired_md(results)
+    return TABLE_HEADER + [table_row(r) for r in main] + [""] + paired_md(results) + sim_update_md(results)
 
 
 def main(argv=None):
