@@ -12,6 +12,7 @@ rounded to 3 decimals, so the intervals can differ from a run's own report in th
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -45,7 +46,11 @@ def fmt(d) -> str:
 
 
 def main(argv=None):
-    path, heading = (argv or sys.argv[1:])[:2]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="a markdown file (e.g. docs/RESULTS.md)")
+    p.add_argument("heading", help="the start of the heading whose first table is read")
+    a = p.parse_args(argv)
+    path, heading = a.path, a.heading
     rows = read_table(path, heading)
     print(f"{path}, table after '{heading}': 95% t-intervals over seeds (n - 1 df)\n")
     print("| method | n | mean (95% t over seeds) |\n|---|---|---|")

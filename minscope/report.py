@@ -152,14 +152,14 @@ def seed_values(seeds: dict, rule: str) -> dict:
 def paired_summary(data: dict) -> dict:
     """Each arm against RL (Single) and against Base: mean paired difference over the seeds
     both have, with its t-interval, at the final and at the best-panel checkpoint. Base is
-    never trained, so its value is the same at both checkpoints."""
+    never trained, so its value is the same at both checkpoints. Ablation arms are left out."""
     out = {}
     for ref in ("single", "base"):
         if ref not in data:
             continue
         for method, seeds in data.items():
-            if method == ref or (ref == "single" and method == "base"):
-                continue
+            if method == ref or (ref == "single" and method == "base") or ":" in method:
+                continue        # (ablations ':' have their own section, unpaired)
             for rule in ("final", "selected"):
                 d = paired(seed_values(seeds, rule), seed_values(data[ref], rule))
                 if d["n"]:
