@@ -64,7 +64,7 @@ REAL_DEFAULTS = dict(method="single", domain="retail", panel="", groups=16, grou
                      sim_lr=5e-4, eval_every=16, max_new_tokens=128, micro_batch=8)
 REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "panel", "load_in_4bit",
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
-             "no_grad_checkpointing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
+             "no_grad_checkpointing", "no_prefix_sharing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
              "unsafe_no_sandbox", "max_turns", "pool_draw", "seed", "temperature", "kl", "lora_r", "lora_alpha",
              "pool_size", "pool_every", "vs_k", "sim_reward", "device")
 # The settings real runs once fixed in the code; these defaults are those values.
@@ -196,6 +196,9 @@ def build_parser():
                    "the policy and the panel during evaluation (default 0: greedy, as the paper evaluates)")
     p.add_argument("--no-grad-checkpointing", action="store_true", help="real env: keep every layer's "
                    "activations for the backward pass (faster, far more memory; default: recompute them)")
+    p.add_argument("--no-prefix-sharing", action="store_true", help="real env: encode each group's shared "
+                   "prompt once per episode, in the rollout and the update (the plain path, same numbers, slower; "
+                   "default: once per group, minscope/prefix.py)")
     p.add_argument("--thinking", action="store_true", help="real env: let thinking chat templates (Qwen3) "
                    "think; default enable_thinking=False for both parties")
     return p

@@ -284,6 +284,27 @@ def run(cfg: ToyConfig, runs_dir="runs", cache_dir=".cache/minscope", resume: bo
         lock.release()
 
 
+def cached_fidelity(models: ToyModels, gamma: float, with_aligned: bool) -> dict:
+    """`toy_fidelity.fidelity` of sim-a (and sim-a-vs), plus the aligned model's when asked: a
+    fixed function of the cached models (its own seed), so it is kept beside them and computed
+    once per model set, not once per run."""
+    path = models.dir / f"fidelity-gamma{gamma:g}.json"
+    fid = json.loads(path.read_text()) if path.exists() else None
+    if fid is None:
+        sim, _, world = models.simulator("sim-a")
+        vs_sim = Frozen(models.simulator("sim-a-vs")[0], models.tokenizer, max_new_tokens=12)
+        fid = fidelity(Frozen(sim, models.tokenizer, max_new_tokens=12), world, gamma, vs_simulator=vs_sim)
+        write_text_atomic(path, json.dumps(fid))
+    if with_aligned:
+        apath = models.dir / "fidelity-aligned.json"
+        if not apath.exists():
+            model, world = models.aligned()
+            write_text_atomic(apath, json.dumps(aligned_fidelity(Frozen(model, models.tokenizer, max_new_tokens=12),
+                                                                 world, models.cfg.aligned_gamma)))
+        fid["aligned"] = json.loads(apath.read_text())
+    return fid
+
+
 def _run(cfg: ToyConfig, run_dir: Path, cache_dir, resume: bool, log, progress, stop_after) -> Path:
     if resume:
         check_saved_arms(run_dir, cfg.arms())
@@ -292,19 +313,15 @@ def _run(cfg: ToyConfig, run_dir: Path, cache_dir, resume: bool, log, progress, 
     models.build()
     fid_path = run_dir / "fidelity.json"
     if not fid_path.exists():   # lesson: check the simulator where the exploit lives, before RL
-        sim, _, world = models.simulator("sim-a")
-        vs_sim = Frozen(models.simulator("sim-a-vs")[0], models.tokenizer, max_new_tokens=12)
-        fid = fidelity(Frozen(sim, models.tokenizer, max_new_tokens=12), world, cfg.gamma, vs_simulator=vs_sim)
+        with_aligned = cfg.sim_start == "aligned" and any(m.partition(":")[0] in ("cotrain", "population")
+                                                          for m, _ in cfg.arms())
+        fid = cached_fidelity(models, cfg.gamma, with_aligned)
         write_text_atomic(fid_path, json.dumps(fid))
         log(f"sim-a fidelity: exploit value inside the gamma={cfg.gamma:g} simulator {fid['exploit_lm']:.3f} "
             f"(exact {fid['exploit_exact']:.3f}); mean TV to the real users at key histories {fid['tv']:.3f} "
             f"(sampling noise alone: {fid['tv_floor']:.3f}); "
             f"TV of sim-a-vs's verbalized distribution {fid['vs_tv']:.3f}")
-        if cfg.sim_start == "aligned" and any(m.partition(":")[0] in ("cotrain", "population") for m, _ in cfg.arms()):
-            model, world = models.aligned()
-            fid["aligned"] = aligned_fidelity(Frozen(model, models.tokenizer, max_new_tokens=12), world,
-                                              cfg.models.aligned_gamma)
-            write_text_atomic(fid_path, json.dumps(fid))
+        if with_aligned:
             a = fid["aligned"]
             log(f"aligned simulator model (Co-Training's start), sampled at temperature 1: exploit value "
                 f"{a['exploit_lm']:.3f} (exact, gamma={a['gamma']:g}-sharpened users: {a['exploit_exact']:.3f}); "

@@ -496,8 +496,10 @@ def build_real_method(args, env, personas):
     if args.method == "ensemble":           # the seen panel members are the training ensemble
         frozen = [p for p, kind in models.panel.values() if kind == "seen"]
     # skip_zero_signal: a step whose groups all have equal rewards runs no update (DESIGN_NOTES)
+    # prefix_sharing: each group's shared prompt is encoded once in the update (minscope/prefix.py)
+    sharing = not getattr(args, "no_prefix_sharing", False)
     ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=setting(args, "temperature"),
-                beta=setting(args, "kl"), skip_zero_signal=True)
+                beta=setting(args, "kl"), skip_zero_signal=True, prefix_sharing=sharing)
     method = build_method(args.method, models.policy, frozen, UpdateConfig(lr=args.lr, **ucfg),
                           UpdateConfig(lr=args.sim_lr, **ucfg),
                           sim_model=models.sim_model if args.method in TRAINS_SIMULATOR else None,
@@ -510,6 +512,8 @@ def build_real_method(args, env, personas):
         for model in _trained_models(models, method):
             enable_checkpointing(model.get_base_model())
     set_thinking(method, models, getattr(args, "thinking", False))
+    for speaker in speakers_of(method, models):     # ... and once in the rollout (rollout.share_prefixes)
+        speaker.share_prefix = sharing
     return models, method
 
 
@@ -669,7 +673,8 @@ def run_real(args):
     eval_temperature = getattr(args, "eval_temperature", None) or 0.0
     say = print if main else (lambda *a, **k: None)
     say(f"rollouts: at most {chunk} episodes at once; gradient checkpointing "
-        f"{'off' if getattr(args, 'no_grad_checkpointing', False) else 'on'}; micro-batches of "
+        f"{'off' if getattr(args, 'no_grad_checkpointing', False) else 'on'}; shared prompts encoded once per "
+        f"{'episode' if getattr(args, 'no_prefix_sharing', False) else 'group'}; micro-batches of "
         f"{args.micro_batch}; evaluation at temperature {eval_temperature:g}")
     say(f"{env.name}: {len(train_tasks)} training tasks, {len(test_tasks)} {split} tasks for evaluation; "
         f"method {args.method}; run dir {run_dir}" + (f"; {world} processes (torchrun)" if world > 1 else ""))

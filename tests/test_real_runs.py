@@ -78,11 +78,31 @@ def test_a_template_that_rewrites_the_history_stops_the_run_with_a_clear_message
         train(tmp_path, template_models["broken"], method="single")
 
 
-def test_gradient_checkpointing_is_on_by_default_and_can_be_turned_off(tmp_path, template_models, capsys):
-    train(tmp_path, template_models["qwen3"], "--steps", "0", method="single")
-    assert "gradient checkpointing on" in capsys.readouterr().out
-    train(tmp_path / "b", template_models["qwen3"], "--steps", "0", "--no-grad-checkpointing", method="single")
-    assert "gradient checkpointing off" in capsys.readouterr().out
+def test_checkpointing_and_prefix_sharing_are_on_by_default_and_turning_them_off_changes_only_the_cost(
+        tmp_path, template_models, capsys, monkeypatch):
+    """--no-prefix-sharing: the plain path (each episode encodes its group's shared prompt) in
+    the rollout and the update: the same episodes and rewards, more prefilled ids. (Equal
+    losses and gradients: tests/test_prefix.py; here the tiny model's updates are skipped.)
+    --no-grad-checkpointing keeps the activations; it changes no episode either."""
+    from minscope import runner
+
+    built, build = [], runner.build_real_method
+    monkeypatch.setattr(runner, "build_real_method", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    on = [r for r in train(tmp_path / "on", template_models["qwen3"], "--steps", "1", method="single")
+          if r["kind"] == "train"]
+    out = capsys.readouterr().out
+    assert "gradient checkpointing on" in out and "shared prompts encoded once per group" in out
+    off = [r for r in train(tmp_path / "off", template_models["qwen3"], "--steps", "1", "--no-prefix-sharing",
+                            "--no-grad-checkpointing", method="single") if r["kind"] == "train"]
+    out = capsys.readouterr().out
+    assert "gradient checkpointing off" in out and "shared prompts encoded once per episode" in out
+    (models_on, method_on), (models_off, method_off) = built
+    assert method_on.policy_cfg.prefix_sharing and not method_off.policy_cfg.prefix_sharing
+    assert all(s.share_prefix for s in runner.speakers_of(method_on, models_on))
+    assert not any(s.share_prefix for s in runner.speakers_of(method_off, models_off))
+    for a, b in zip(on, off, strict=True):
+        assert a["train_reward"] == b["train_reward"] and a["tokens_generated"] == b["tokens_generated"]
+        assert a["tokens_prefilled"] < b["tokens_prefilled"]
 
 
 def test_checkpointing_gives_the_same_loss_and_update_with_peft_and_the_fused_loss():

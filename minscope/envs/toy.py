@@ -207,6 +207,9 @@ WORLDS = {
 }
 
 
+_BEST_ADAPTIVE = {}      # World._key -> (value, policy table) of the real users' best adaptive policy
+
+
 class World:
     """The real-user population and exact values of policies against any reply model.
 
@@ -244,6 +247,9 @@ class World:
         self.persuaded_big = tuple(float(x) for x in persuaded_big)
         self.tasks = [ToyTask(i, name) for i, name in enumerate(PERSONAS)]
         self._cache = {}
+        # what the real users are, as a key: worlds built with equal settings share best_adaptive
+        self._key = (type(self).__name__, tuple(mix), cue_rate, cue_noise, persuade_rate, warm_persuade_rate,
+                     lecture_pushback, pressure_yes, upsell_yes, n_turns, self.persuaded_big)
 
     @classmethod
     def named(cls, name: str = "suppression", **overrides) -> "World":
@@ -392,8 +398,16 @@ class World:
 
     def best_adaptive(self, reply_dist=None):
         """(value, policy) of the best history-dependent policy (expectimax over the persona
-        posterior). The policy is a dict history -> act key; call it through `.get`."""
-        reply_dist = reply_dist or self.reply_dist
+        posterior). The policy is a dict history -> act key; call it through `.get`. For the real
+        users (no `reply_dist`) it is computed once per process and world settings (seconds each)."""
+        if reply_dist is None:
+            if self._key not in _BEST_ADAPTIVE:
+                _BEST_ADAPTIVE[self._key] = self._best_adaptive(self.reply_dist)
+            v, table = _BEST_ADAPTIVE[self._key]
+            return v, dict(table)
+        return self._best_adaptive(reply_dist)
+
+    def _best_adaptive(self, reply_dist):
         table = {}
 
         def value(belief, history):
