@@ -196,7 +196,7 @@ def measure_pool(toy: Toy, m: Method, step: int, profiles: dict) -> dict:
                                       temperature=partner.temperature, max_new_tokens=partner.max_new_tokens)}
     for name, speaker in members.items():
         if name not in profiles:
-            profiles[name] = member_profile(speaker, toy.world, c.gamma, c.diversity_samples)
+            profiles[name] = member_profile(speaker, toy.world, c.gamma, c.diversity_samples, c.diversity_episodes)
     return pool_diversity({n: profiles[n] for n in members}, toy.sim_a_profile(), toy.world, c.gamma)
 
 

@@ -85,6 +85,7 @@ class ToyConfig:
     # later step, on other random draws.
     pool_measure_every: int = 10
     diversity_samples: int = 32           # replies per persona and history in pool_diversity
+    diversity_episodes: int = 64          # episodes per exploit value in a member's profile
     vs_k: int = 5
     eval_every: int = 10
     eval_episodes: int = 8                # per persona per panel member (real users: x4)
@@ -184,7 +185,7 @@ class Toy:
         if not hasattr(self, "_sim_a_profile"):
             with isolated_rng(4242):
                 self._sim_a_profile = member_profile(self.frozen["sim-a"], self.world, self.cfg.gamma,
-                                                     self.cfg.diversity_samples)
+                                                     self.cfg.diversity_samples, self.cfg.diversity_episodes)
         return self._sim_a_profile
 
     def panel(self, seed: int):

@@ -14,7 +14,7 @@ TINY_MODELS = ToyModelConfig(hidden=32, vocab=640, transcripts=120, vs_examples=
 def tiny_config(name, methods=("base", "single", "population"), ablations=()):
     return experiment.ToyConfig(name=name, methods=methods, seeds=(0,), steps=4, groups=2, group_size=2,
                                 eval_every=2, eval_episodes=1, final_episodes=6, meter_every=4, workers=1, pool_every=1,
-                                diversity_samples=2,
+                                diversity_samples=2, diversity_episodes=8,
                                 models=TINY_MODELS, ablations=ablations)
 
 
@@ -32,17 +32,33 @@ def records(run_dir):
     return out
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, cache):
+    """One uninterrupted run of base, RL (Single) and Population, shared by the tests below
+    (every arm depends only on its method, seed and settings, not on the other arms)."""
+    cfg = tiny_config("toy")
+    return cfg, experiment.run(cfg, tmp_path_factory.mktemp("straight") / "a", cache, log=lambda *a: None,
+                               progress=False)
+
+
+def of(recs, methods):
+    return [r for r in recs if r.get("method") in methods]
+
+
 @pytest.mark.parametrize("methods, ablations", [
     (("base", "single", "population"), ()),
     (("base",), ("cotrain:anchor",)),          # interrupted in the anchored arm: its batches too
 ])
-def test_interrupted_run_resumes_to_the_same_numbers(tmp_path, cache, methods, ablations):
+def test_interrupted_run_resumes_to_the_same_numbers(tmp_path, cache, straight, methods, ablations):
     cfg = tiny_config("toy", methods=methods, ablations=ablations)
-    straight = experiment.run(cfg, tmp_path / "a", cache, log=lambda *a: None, progress=False)
+    if cfg == straight[0]:
+        straight_run = straight[1]
+    else:
+        straight_run = experiment.run(cfg, tmp_path / "a", cache, log=lambda *a: None, progress=False)
     with pytest.raises(KeyboardInterrupt):
         experiment.run(cfg, tmp_path / "b", cache, log=lambda *a: None, progress=False, stop_after=2)
     resumed = experiment.run(cfg, tmp_path / "b", cache, resume=True, log=lambda *a: None, progress=False)
-    assert records(resumed) == records(straight)
+    assert records(resumed) == records(straight_run)
     # the compute totals (minscope/compute.py) continue across the interruption: every record's
     # total is the steps' compute so far, from the saved state, not from 0 at the resumed step
     from minscope import compute
@@ -56,7 +72,7 @@ def test_interrupted_run_resumes_to_the_same_numbers(tmp_path, cache, methods, a
         assert (total["flops"] > 0) == (method != "base")
 
 
-def test_evaluation_does_not_change_training(tmp_path, cache):
+def test_evaluation_does_not_change_training(tmp_path, cache, straight):
     # evaluations and the collapse meter draw from their own random streams, so evaluating
     # more often (and metering a Population arm, whose partner draws pool slots) leaves every
     # training step as it was
@@ -64,26 +80,25 @@ def test_evaluation_does_not_change_training(tmp_path, cache):
 
     cfg = tiny_config("toy", methods=("single", "population"))
     often = dataclasses.replace(cfg, eval_every=1, meter_every=1)
-    train = lambda run: [r for r in records(run) if r["kind"] == "train"]   # noqa: E731
-    a = experiment.run(cfg, tmp_path / "a", cache, log=lambda *a: None, progress=False)
-    b = experiment.run(often, tmp_path / "b", cache, log=lambda *a: None, progress=False)
+    train = lambda recs: [r for r in recs if r["kind"] == "train"]   # noqa: E731
+    a = of(records(straight[1]), cfg.methods)          # the same arms, run beside the base arm
+    b = records(experiment.run(often, tmp_path / "b", cache, log=lambda *a: None, progress=False))
     assert len(train(a)) == 8 and train(a) == train(b)
-    assert len([r for r in records(b) if "meter" in r]) > len([r for r in records(a) if "meter" in r])
+    assert len([r for r in b if "meter" in r]) > len([r for r in a if "meter" in r])
     # pool diversity measured every other step: training and evaluations as they were
     rare = experiment.run(dataclasses.replace(cfg, pool_measure_every=2), tmp_path / "c", cache,
                           log=lambda *a: None, progress=False)
-    assert [r for r in records(rare) if r["kind"] != "pool"] == [r for r in records(a) if r["kind"] != "pool"]
+    assert [r for r in of(records(rare), cfg.methods) if r["kind"] != "pool"] == [r for r in a if r["kind"] != "pool"]
     assert [r["step"] for r in records(rare) if r["kind"] == "pool"] == [0, 2, cfg.steps - 1]   # and the last
 
 
-def test_final_checkpoint_reevaluates_to_the_logged_number(tmp_path, cache):
+def test_final_checkpoint_reevaluates_to_the_logged_number(cache, straight):
     import torch
 
     from minscope.models import load_adapter_state
 
-    cfg = tiny_config("toy", methods=("single",))
-    run_dir = experiment.run(cfg, tmp_path, cache, log=lambda *a: None, progress=False)
-    logged = [r for r in records(run_dir) if r["kind"] == "eval"][-1]
+    cfg, run_dir = straight
+    logged = [r for r in of(records(run_dir), ("single",)) if r["kind"] == "eval"][-1]
     toy = experiment.Toy(cfg, cache, progress=False)
     m = toy.method("single", 0)
     load_adapter_state(m.policy.model, "policy", torch.load(run_dir / "arms" / "single-s0.pt",
