@@ -65,7 +65,7 @@ REAL_DEFAULTS = dict(method="single", domain="retail", panel="", groups=16, grou
 REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "panel", "load_in_4bit",
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
              "no_grad_checkpointing", "no_prefix_sharing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
-             "unsafe_no_sandbox", "max_turns", "pool_draw", "seed", "temperature", "kl", "lora_r", "lora_alpha",
+             "unsafe_no_sandbox", "max_turns", "p4g_reward", "pool_draw", "seed", "temperature", "kl", "lora_r", "lora_alpha",
              "pool_size", "pool_every", "vs_k", "sim_reward", "device")
 # The settings real runs once fixed in the code; these defaults are those values.
 REAL_DEFAULTS.update(seed=0, temperature=0.7, kl=0.005, lora_r=8, lora_alpha=16, pool_size=5, pool_every=4,
@@ -141,6 +141,11 @@ def build_parser():
                    "both parties together (p4g default 10: 5 persuader, 5 persuadee; tau2 default 30; tool "
                    "results do not count). p4g needs an even N, so that the persuadee, whose last stated "
                    "amount is the reward, has the last word; fewer turns make a step cheaper")
+    p.add_argument("--p4g-reward", choices=("parsed", "expected"), help="p4g: the reward. parsed (default, the "
+                   "paper's): the last amount the persuadee stated, / $2. expected: after the dialogue the persuadee "
+                   "is asked for its decision and read: its expected gift under its next-token probabilities of "
+                   "0/1/2 after '[DONATE $', / 2 (a small model rarely writes a tag); a differently worded question "
+                   "and the parsed reward are logged beside it as held-out readings")
     p.add_argument("--coder-turns", type=whole(1), help="cooperbench: model turns per coder (default 50)")
     p.add_argument("--bash", action="store_true", help="cooperbench: also give the coders a bash tool "
                    "(run in the same sandbox as their tests)")
@@ -292,6 +297,8 @@ def check_real_args(p, args):
         if args.env == "p4g" and args.max_turns % 2:
             p.error(f"--max-turns {args.max_turns}: P4G needs an even number (the persuader opens and "
                     "the persuadee answers each message; its last stated amount is the reward)")
+    if args.p4g_reward is not None and args.env != "p4g":
+        p.error(f"--p4g-reward is for --env p4g, not --env {args.env}")
 
 
 def check_resume(p, args):

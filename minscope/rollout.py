@@ -151,6 +151,46 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
     return result_ids, result_logp
 
 
+@torch.no_grad()
+def next_token_logprobs(model, prompts: list[list[int]], pad_id: int, adapter_names: list[str] | None = None,
+                        cache: KVCache | None = None, owners: list | None = None) -> torch.Tensor:
+    """log-softmax of the next token after each prompt, [B, V] on the CPU (a readout: nothing
+    is sampled, no random number drawn). With a party's kept `cache`, only what it does not
+    hold is fed: after an episode, a readout of the party's view costs the question's few
+    tokens, not the conversation again. The cache then holds the prompts (`record`), so a
+    second readout of the same conversation drops the first one's tokens (`prepare`)."""
+    device = model_device(model)
+    model.eval()
+    cache = KVCache() if cache is None else cache
+    owners = [object() for _ in prompts] if owners is None else owners
+    reused = cache.prepare(owners, prompts, device)
+    cache.last_prefilled = [len(p) - k for p, k in zip(prompts, reused)]
+    S = max(len(p) - k for p, k in zip(prompts, reused))
+    input_ids = torch.full((len(prompts), S), pad_id, dtype=torch.long)
+    real = torch.zeros((len(prompts), S), dtype=torch.bool)
+    position = torch.zeros((len(prompts), S), dtype=torch.long)
+    for i, (p, k) in enumerate(zip(prompts, reused)):
+        input_ids[i, S - (len(p) - k):] = torch.tensor(p[k:])
+        real[i, S - (len(p) - k):] = True
+        position[i, S - (len(p) - k):] = torch.arange(k, len(p))
+    logits = _Forward(model, cache, adapter_names)(input_ids.to(device), real.to(device), position.to(device))
+    cache.record(owners, prompts)
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+def choice_token_ids(chat, answer_prefix: str, choices: list[str]) -> list[int]:
+    """The token each choice starts with when written right after `answer_prefix` (a choice
+    must be one token there: "0", "1", "2" after "[DONATE $" for SmolLM2's tokenizer)."""
+    head = text_ids(chat, answer_prefix)
+    out = []
+    for c in choices:
+        ids = text_ids(chat, answer_prefix + c)
+        if ids[:len(head)] != head or len(ids) != len(head) + 1:
+            raise ValueError(f"the choice {c!r} is not one token after {answer_prefix!r} for this tokenizer")
+        out.append(ids[-1])
+    return out
+
+
 # Shorter common prefixes are prefilled by every row: not worth a forward of their own (and the
 # toy's prompts, all shorter, sample exactly as before).
 SHARE_MIN = 64
@@ -504,6 +544,39 @@ class LMSpeaker:
             count["params"] = parameter_count(self.model, name)     # N, for the FLOPs estimate
         return ids, logps
 
+    def read_choice(self, episodes: list[Episode], env, question: str | None, answer_prefix: str,
+                    choices: list[str]) -> list[list[float]]:
+        """After the episodes, this party's probabilities of each of `choices` (renormalised
+        over them) as the next token of its own reply that begins with `answer_prefix`, after
+        `question` (a user message; None: none). Each episode is read through the adapter that
+        played it; inside the rollout's session the party's kept KV cache is reused. The
+        episodes' own streams are left as they are (a copy is extended)."""
+        prompts = []
+        for ep in episodes:
+            mine = ep.info.get("streams", {}).get(self.role) or Stream()
+            probe = Stream(ids=list(mine.ids), mask=list(mine.mask), logp=list(mine.logp), text=mine.text,
+                           exact=mine.exact, messages=list(mine.messages), sampled_end=mine.sampled_end)
+            messages, tools = self.messages_for(env, ep)
+            if question:
+                messages = messages + [{"role": "user", "content": question}]
+            probe.extend_prompt(self.chat, messages, tools)
+            prompts.append(probe.ids + text_ids(self.chat, answer_prefix))
+        tokens = choice_token_ids(self.chat, answer_prefix, choices)
+        cache = party_cache(self) if self.reuse_cache else KVCache()
+        names = [self.adapter_of(ep) for ep in episodes]
+        kwargs = dict(pad_id=self.tokenizer.pad_token_id, cache=cache, owners=episodes)
+        if len(set(names)) == 1:
+            with use_adapter(self.model, names[0]):
+                logp = next_token_logprobs(self.model, prompts, **kwargs)
+        else:
+            logp = next_token_logprobs(self.model, prompts, adapter_names=[n or "__base__" for n in names], **kwargs)
+        p = logp[:, tokens].exp()
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+        for ep, fed in zip(episodes, cache.last_prefilled):
+            count = ep.info.setdefault("tokens", {}).setdefault(self.role, {"prefilled": 0, "generated": 0})
+            count["prefilled"] += fed
+        return p.tolist()
+
     def respond(self, episodes: list[Episode], env) -> list[Turn]:
         texts, ids, _ = self.generate(episodes, env)
         return [Turn(role=self.role, text=t, token_ids=i) for t, i in zip(texts, ids)]
@@ -579,6 +652,15 @@ def rollout(env, tasks, agent, partner, group_size: int = 1, max_batch: int | No
                     if step.next_speaker is None:
                         ep.done = True
             live = [ep for ep in live if not ep.done]
+        # Readouts (P4G's --p4g-reward expected): after the dialogue, the partner that played
+        # each episode is asked a question and its next-token distribution over a few answers
+        # is kept in ep.info["readouts"], for `env.score`; the partner's KV cache is still here.
+        for name, (question, prefix, choices) in (env.readouts() if hasattr(env, "readouts") else {}).items():
+            if not hasattr(partner, "read_choice"):
+                raise ValueError(f"{getattr(env, 'name', 'this environment')}'s readouts need a partner LM "
+                                 f"whose next-token probabilities can be read; {type(partner).__name__} has none")
+            for ep, p in zip(episodes, partner.read_choice(episodes, env, question, prefix, choices)):
+                ep.info.setdefault("readouts", {})[name] = p
     # Scoring is the environment boundary. An evaluator that raises on one episode (tau2's
     # official checks raise when the agent never created what the task asks about) scores
     # that episode 0 and keeps the error in ep.info["score_error"] (train_step counts them);

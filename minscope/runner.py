@@ -104,7 +104,8 @@ def make_env(args):
                              "or a ConvoKit corpus folder)")
         try:
             return P4GEnv(args.data, max_turns=getattr(args, "max_turns", None) or 10,
-                          max_words=words_for_tokens(getattr(args, "max_new_tokens", None)))
+                          max_words=words_for_tokens(getattr(args, "max_new_tokens", None)),
+                          reward=getattr(args, "p4g_reward", None) or "parsed")
         except (FileNotFoundError, DataError) as e:   # missing data (and where to get it), or damaged
             raise SystemExit(f"error: {e}") from None
     if args.env == "tau2":
@@ -438,6 +439,11 @@ def check_args(args, env):
                                  f"--{key} does not apply")
     personas = persona_bank(args, env)
     check_served(args)
+    if getattr(args, "p4g_reward", None) == "expected":
+        served = [spec for spec in [args.simulator, *(p for p, _ in parse_panel(args.panel))] if is_spec(spec)]
+        if served:
+            raise SystemExit(f"--p4g-reward expected reads the persuadee's next-token probabilities, which a served "
+                             f"simulator does not give: {', '.join(served)}")
     check_panel(args)
     if args.method in TRAINS_SIMULATOR and getattr(args, "sim_reward", None) is None:
         args.sim_reward = env.default_simulator_reward          # recorded in config.json
@@ -619,6 +625,8 @@ def evaluate_and_save(env, models, method, tasks, split, step, run_dir, best,
                              episodes_per_task=1, policy_temperature=temperature)
     rec = {"kind": "eval", "step": step, "split": split, "tasks": len(tasks), **panel_means(res),
            "eval_temperature": temperature, "eval_s": time.perf_counter() - t0}
+    if hasattr(env, "readings"):     # P4G's --p4g-reward expected: every reading, over the whole panel
+        rec.update(env.readings([ep for v in res.values() for ep in v.get("episodes", [])]))
     save_adapter(models.policy_model, "policy", run_dir / f"policy-step{step}")
     if method.trains_simulator:
         save_adapter(method.partner.model, "simulator", run_dir / f"simulator-step{step}")

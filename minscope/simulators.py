@@ -55,11 +55,19 @@ class Verbalized:
             self.speaker = LMSpeaker(base.model, base.tokenizer, "partner", base.adapter, base.temperature,
                                      budget, label, verbalized.vs_instruction(k))
         self.name, self.k, self.mode, self.retries = self.speaker.name, k, mode, retries
+        self.base = base
         self.rng = random.Random(seed)
         self.stats = verbalized.VSStats()
 
     def assign(self, episodes):
         self.speaker.assign(episodes)
+
+    def read_choice(self, episodes, env, *question):
+        """A readout (`LMSpeaker.read_choice`) is the simulator's own judgement: it reads the
+        base simulator, without the VS instruction."""
+        if not hasattr(self.base, "read_choice"):
+            raise ValueError(f"{self.base.name}'s next-token probabilities cannot be read (a served simulator)")
+        return self.base.read_choice(episodes, env, *question)
 
     def respond(self, episodes, env):
         replies: list[Turn | None] = [None] * len(episodes)
@@ -111,6 +119,18 @@ class Ensemble:
         offset = self.rng.randrange(len(self.members))
         for ep in episodes:
             ep.partner_name = self.members[(offset + ep.group) % len(self.members)].name
+
+    def read_choice(self, episodes, env, *question):
+        """A readout (`LMSpeaker.read_choice`) of each episode by the member that played it."""
+        out: list = [None] * len(episodes)
+        for member in self.members:
+            idx = [i for i, ep in enumerate(episodes) if ep.partner_name == member.name]
+            if idx:
+                if not hasattr(member, "read_choice"):
+                    raise ValueError(f"{member.name}'s next-token probabilities cannot be read (a served simulator)")
+                for i, p in zip(idx, member.read_choice([episodes[i] for i in idx], env, *question)):
+                    out[i] = p
+        return out
 
     def respond(self, episodes, env):
         out: list[Turn | None] = [None] * len(episodes)

@@ -276,3 +276,48 @@ def test_a_damaged_state_is_one_message_before_any_model_loads(tmp_path, single_
     monkeypatch.setattr(runner, "build_models", lambda *a, **kw: pytest.fail("models loaded"))
     with pytest.raises(SystemExit, match="state.pt is damaged"):
         train_cli.main(["--resume", str(copy), "--steps", "2"])
+
+
+# --------------------------------------------------------------------------- --p4g-reward expected
+def test_the_expected_reward_reads_the_persuadee_through_its_kept_cache(model_dirs):
+    """After the dialogue the persuadee is read at two decision points: the readings equal a
+    reading of the whole conversation from scratch, while the readout itself fed only the
+    question's few tokens; the episodes are those of a parsed-reward rollout with the same
+    seed (a readout draws no random number)."""
+    from minscope.envs.p4g import READOUTS
+    from minscope.rollout import LMSpeaker, rollout
+    from minscope.simulators import Frozen
+
+    model, tok = load_model(model_dirs["policy"])
+    model = add_adapters(model, ["policy", "simulator"], init_lora_weights=False)   # a persuadee that is not the base
+    policy = LMSpeaker(model, tok, "agent", adapter="policy", temperature=1.0, max_new_tokens=6)
+    persuadee = Frozen(model, tok, adapter="simulator", temperature=1.0, max_new_tokens=6)
+    envs = {r: P4GEnv(P4G_CSV, split="all", max_turns=4, reward=r) for r in ("parsed", "expected")}
+    eps = {r: rollout(env, env.tasks()[:2], policy, persuadee, group_size=2, seed=3) for r, env in envs.items()}
+    assert [e.transcript() for e in eps["parsed"]] == [e.transcript() for e in eps["expected"]]
+    fed = [e.info["tokens"]["partner"]["prefilled"] for e in eps["expected"]]
+    without = [e.info["tokens"]["partner"]["prefilled"] for e in eps["parsed"]]
+    conversation = [len(e.info["streams"]["partner"].ids) for e in eps["expected"]]
+    for ep, a, b, n in zip(eps["expected"], fed, without, conversation):
+        assert 0 < a - b < 0.5 * n          # two readouts cost less than half the conversation once
+        reads = ep.info["readouts"]
+        assert set(reads) == set(READOUTS)
+        for probs in reads.values():
+            assert len(probs) == 3 and abs(sum(probs) - 1) < 1e-5 and min(probs) >= 0
+        expected = sum(p * a for p, a in zip(reads["decision"], (0, 1, 2))) / 2
+        assert ep.reward == pytest.approx(expected) == ep.info["readout_decision"]
+        assert 0 <= ep.info["readout_asked"] <= 1 and "reward_parsed" in ep.info
+    for name, (question, prefix, choices) in READOUTS.items():     # from scratch: no cache
+        again = persuadee.read_choice(eps["expected"], envs["expected"], question, prefix, choices)
+        for ep, probs in zip(eps["expected"], again):
+            assert probs == pytest.approx(ep.info["readouts"][name], abs=1e-5), name
+
+
+def test_a_run_with_the_expected_reward_logs_every_reading(tmp_path, model_dirs):
+    run_dir = train(tmp_path, model_dirs, "population", "--p4g-reward", "expected", "--max-turns", "2")
+    (step,) = records(run_dir, "train")
+    assert step["train_reward"] == pytest.approx(step["readout_decision"])
+    for rec in (step, *records(run_dir, "eval")):
+        assert {"readout_decision", "readout_asked", "reward_parsed"} <= set(rec)
+    with pytest.raises(SystemExit):           # a flag of P4G's only
+        train_cli.main(["--env", "numbers", "--policy", model_dirs["policy"], "--p4g-reward", "expected"])

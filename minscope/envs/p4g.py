@@ -18,6 +18,13 @@ Choices made here:
     (`persona_split`); held-out evaluation uses `tasks("test")` only.
   - The simulator's Co-Training reward defaults to adversarial (-r_policy), as in the
     paper for this benchmark; Verbalized Sampling, when used, applies to the persuadee.
+  - `reward="expected"` (train.py --p4g-reward expected) reads the persuadee instead of
+    parsing it: after the dialogue the persuadee that played the episode is asked for its
+    decision, its reply is begun with "[DONATE $", and the reward is its expected gift under
+    its next-token probabilities of "0", "1" and "2" (renormalised), / 2. A small model that
+    rarely writes a tag still has a distribution there. A second question in other words
+    ("asked": "I will give $") and the parsed reward are logged beside it, never trained
+    on: a policy that games the training readout shows reward up and those flat.
 """
 
 from __future__ import annotations
@@ -30,6 +37,14 @@ from minscope.envs.base import Environment, Episode
 from minscope.envs.p4g_data import load_p4g, persona_split, render_persona
 
 MAX_DONATION = 2.0
+P4G_REWARDS = ("parsed", "expected")
+# The readouts of reward="expected": name -> (question, the start of the persuadee's answer,
+# the amounts it may continue with). "decision" is the training reward; "asked" is held out.
+READOUTS = {
+    "decision": ("The chat is over. State your final decision now, with the tag.", "[DONATE $", ("0", "1", "2")),
+    "asked": ("Before you go: how many of your $2 will you give to Save the Children?", "I will give $",
+              ("0", "1", "2")),
+}
 MAX_WORDS = 60            # the per-message word limit the prompts state, for long enough turns
 TAG_TOKENS = 10           # "[DONATE $0.50]" is 10 tokens for SmolLM2's tokenizer
 TOKENS_PER_WORD = 1.3     # chat English is about 1.1 for SmolLM2's tokenizer; some room
@@ -366,7 +381,10 @@ class P4GEnv(Environment):
     tasks_are_personas = True       # the paper's Persona-Guided baseline is N/A here
 
     def __init__(self, data_path, split: str = "train", max_turns: int = 10,
-                 max_words: int = MAX_WORDS, test_fraction: float = 0.2):
+                 max_words: int = MAX_WORDS, test_fraction: float = 0.2, reward: str = "parsed"):
+        if reward not in P4G_REWARDS:
+            raise ValueError(f"unknown P4G reward {reward!r}; use {' or '.join(P4G_REWARDS)}")
+        self.reward = reward
         self.corpus = load_p4g(data_path)   # raises P4GDataNotFound with how to get the data
         self.split = split
         self.max_turns = max_turns
@@ -396,6 +414,11 @@ class P4GEnv(Environment):
     def first_speaker(self, task) -> str:
         return "agent"
 
+    def readouts(self) -> dict:
+        """What the rollout reads of the persuadee after each episode (READOUTS; none when the
+        reward is parsed)."""
+        return READOUTS if self.reward == "expected" else {}
+
     def score(self, episode: Episode) -> tuple[float, dict]:
         instructions = (self.partner_messages(episode.task)[0]["content"] if isinstance(episode.task, P4GTask)
                         else PERSUADEE_PROMPT)
@@ -408,7 +431,29 @@ class P4GEnv(Environment):
             "turns": sum(t.role != "env" for t in episode.turns),
             "words": sum(len(t.text.split()) for t in episode.turns if t.role != "env"),
         }
-        return min(amount / MAX_DONATION, 1.0), info
+        parsed = min(amount / MAX_DONATION, 1.0)
+        if self.reward == "parsed":
+            return parsed, info
+        reads = episode.info.get("readouts", {})
+        if "decision" not in reads:
+            raise ValueError("--p4g-reward expected: the episode has no readout of its persuadee")
+        info["reward_parsed"] = parsed
+        for name, probs in reads.items():
+            amounts = [float(c) for c in READOUTS[name][2]]
+            info[f"readout_{name}"] = sum(p * a for p, a in zip(probs, amounts)) / MAX_DONATION
+        return info["readout_decision"], info
+
+    def readings(self, episodes: list[Episode]) -> dict:
+        """With reward="expected", the means of every reading of the episodes: the training
+        readout (readout_decision, the reward), the held-out one (readout_asked) and the
+        parsed reward (reward_parsed); {} otherwise."""
+        keys = ("reward_parsed", *(f"readout_{name}" for name in READOUTS))
+        out = {}
+        for key in keys:
+            values = [ep.info[key] for ep in episodes if key in ep.info]
+            if values:
+                out[key] = sum(values) / len(values)
+        return out
 
     def step_metrics(self, episodes: list[Episode]) -> dict:
         """What the reward parser saw in a training step, for metrics.jsonl: the share of
@@ -427,4 +472,5 @@ class P4GEnv(Environment):
         if turns:
             out.update(tagged_turns=sum(_TAG.search(t) is not None for t in turns) / len(turns),
                        stated_turns=sum(parse_donation(t) is not None for t in turns) / len(turns))
+        out.update(self.readings(episodes))
         return out
