@@ -83,6 +83,9 @@ def _mean(xs) -> float:
     return float(np.mean(xs)) if len(xs) else float("nan")
 
 
+READINGS = ("readout_decision", "readout_asked", "reward_parsed")
+
+
 def p4g_summary(episodes) -> dict:
     """Reward, donations, dialogue length and donation asks of one member's episodes."""
     donations = [ep.info["donation"] for ep in episodes]
@@ -96,6 +99,9 @@ def p4g_summary(episodes) -> dict:
         "words": _mean([ep.info["words"] for ep in episodes]),
         "asks": _mean([ep.info["asks"] for ep in episodes]),
         "any_ask": _mean([ep.info["asks"] > 0 for ep in episodes]),
+        # --p4g-reward expected: the training readout (the reward), the held-out one, the parsed reward
+        "readings": {k: _mean([ep.info[k] for ep in episodes if k in ep.info])
+                     for k in READINGS if any(k in ep.info for ep in episodes)},
     }
 
 
@@ -227,6 +233,15 @@ def p4g_sections(members: dict) -> list[str]:
         s = m["summary"]
         out.append(f"| {name} | {_f(s['turns'], 1)} | {_f(s['words'], 1)} | {_f(s['asks'], 2)} | "
                    f"{_f(100 * s['any_ask'], 0)}% |")
+    if any(m["summary"].get("readings") for m in members.values()):
+        out += ["", "## Readings of the persuadee (--p4g-reward expected)", "",
+                "Mean over episodes: the training readout (the reward: expected gift after `[DONATE $`, / $2), "
+                "the held-out readout (asked in other words, `I will give $`) and the parsed reward; the policy "
+                "trained on the first only.", "",
+                "| member | training readout | held-out readout | parsed reward |", "|---|---|---|---|"]
+        for name, m in members.items():
+            r = m["summary"].get("readings", {})
+            out.append(f"| {name} | " + " | ".join(_f(r.get(k)) for k in READINGS) + " |")
     return out
 
 

@@ -79,6 +79,7 @@ EXPECTED = {
         "LlamaForCausalLM, 134,515,008 parameters, 30 layers, vocabulary 49,152",
         "per-turn deltas valid: True | template renders tools=: False", "exact streams: True",
         "SmolLM2: max |sampled - recomputed| over ",
+        "step 0: training reward ", "success on the same 8 evaluation episodes: before ", "first replies after: ",
     ],
 }
 

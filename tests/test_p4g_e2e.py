@@ -319,5 +319,9 @@ def test_a_run_with_the_expected_reward_logs_every_reading(tmp_path, model_dirs)
     assert step["train_reward"] == pytest.approx(step["readout_decision"])
     for rec in (step, *records(run_dir, "eval")):
         assert {"readout_decision", "readout_asked", "reward_parsed"} <= set(rec)
+    res = evaluate_run(run_dir, episodes=1, max_tasks=2)          # eval.py: the same readings per member
+    for member in res["members"].values():
+        assert set(member["summary"]["readings"]) == {"readout_decision", "readout_asked", "reward_parsed"}
+        assert member["summary"]["readings"]["readout_decision"] == pytest.approx(member["summary"]["reward"]["mean"])
     with pytest.raises(SystemExit):           # a flag of P4G's only
         train_cli.main(["--env", "numbers", "--policy", model_dirs["policy"], "--p4g-reward", "expected"])
