@@ -10,6 +10,7 @@ with what the message asks, and a persuadee worth training against should answer
 differently for different people.
 
     python bench/p4g_readout.py --data PATH/TO/p4g --personas 8
+    python bench/p4g_readout.py --data PATH --adapter runs/RUN/simulator-step20    # a trained persuadee
 """
 
 from __future__ import annotations
@@ -55,21 +56,30 @@ def main(argv=None):
     p.add_argument("--personas", type=int, default=8, help="test personas (the first N)")
     p.add_argument("--temperature", type=float, default=0.7, help="the persuadee's sampling temperature")
     p.add_argument("--max-new-tokens", type=int, default=24, help="the persuadee's reply cap (tokens)")
+    p.add_argument("--adapter", help="a persuadee adapter saved by a Co-Training run (RUN/simulator-stepN): "
+                   "read the trained persuadee instead of the base model")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
     from minscope.envs.p4g import P4GEnv, words_for_tokens
     from minscope.models import load_model, quiet
+    from minscope.runner import _attach_adapter, adapter_folder
     from minscope.rollout import rollout
     from minscope.simulators import Frozen
 
     quiet()
     model, tok = load_model(args.model)
+    adapter = None
+    if args.adapter:
+        folder = adapter_folder(args.adapter)
+        if folder is None:
+            raise SystemExit(f"{args.adapter}: no PEFT adapter there (adapter_config.json)")
+        model, adapter = _attach_adapter(model, "persuadee", folder), "persuadee"
     env = P4GEnv(args.data, split="test", max_turns=2, max_words=words_for_tokens(args.max_new_tokens),
                  reward="expected")
     tasks = env.tasks()[: args.personas]
-    persuadee = Frozen(model, tok, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-    print(f"{args.model} as persuadee, temperature {args.temperature:g}, {args.max_new_tokens} tokens a reply, "
+    persuadee = Frozen(model, tok, adapter=adapter, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    print(f"{args.model}{' + ' + args.adapter if adapter else ''} as persuadee, temperature {args.temperature:g}, {args.max_new_tokens} tokens a reply, "
           f"{len(tasks)} test personas, seed {args.seed}; expected gift in dollars: mean over personas "
           "(SD over personas)\n")
     print("| persuader's message | training readout `[DONATE $` | held-out readout `I will give $` | "
