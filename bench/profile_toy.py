@@ -174,7 +174,7 @@ def lm_split(times: dict) -> str:
 
 
 def run_arms(args):
-    from minscope.toy_models import worker_init
+    from minscope.armpool import worker_init
 
     worker_init()
     kinds = args.arms.split(",")
@@ -244,7 +244,8 @@ def makespan(costs: list[float], workers: int) -> float:
 
 def run_build(args):
     """SFT of one simulator: per-step seconds, and what the whole default build costs."""
-    from minscope.toy_models import ToyModelConfig, ToyModels, worker_init
+    from minscope.armpool import worker_init
+    from minscope.toy_models import ToyModelConfig, ToyModels
 
     worker_init()
     prof = Profiler()

@@ -37,6 +37,23 @@ def threads_per_worker(workers: int) -> int:
     return max(1, min(cores // max(1, workers), int(free // max(1, workers))))
 
 
+def worker_init():
+    """Set up a worker process: one CPU thread, quiet libraries, and exit when the parent dies."""
+    import torch
+
+    from .models import quiet
+
+    quiet()
+    torch.set_num_threads(1)   # several small processes beat one process fighting for cores
+    try:                       # Linux: a killed parent must not leave workers running
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _worker_init(threads: int = 1):
     """A worker of the arms' pool: one (or `threads`) CPU thread, quiet libraries, exit when
     the parent dies, and deaf to Ctrl-C. The terminal sends SIGINT to every process of the
@@ -45,8 +62,6 @@ def _worker_init(threads: int = 1):
     import signal
 
     import torch
-
-    from .toy_models import worker_init
 
     worker_init()
     torch.set_num_threads(threads)

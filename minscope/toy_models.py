@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .armpool import default_workers, worker_init
 from .envs.toy import ACT_KEYS, ACTS, BLAND, REPLIES, ToyEnv, World, canonical_reply, sharpened
 from .models import build_tiny_model, build_tokenizer
 from .sft import sft
@@ -314,8 +315,6 @@ class ToyModels:
         if not missing:
             return
         self.log(f"training {len(missing)} tiny models (cached in {self.dir}; later runs skip this) ...")
-        from .armpool import default_workers
-
         workers = self.cfg.workers or default_workers(len(missing))
         if workers <= 1:
             for name in missing:
@@ -357,21 +356,6 @@ class ToyModels:
     def all(self):
         self.build()
         return self.policy_base(), {name: self.simulator(name) for name in SIMULATORS}
-
-
-def worker_init():
-    """Set up a worker process: one CPU thread, quiet libraries, and exit when the parent dies."""
-    from .models import quiet
-
-    quiet()
-    torch.set_num_threads(1)   # several small processes beat one process fighting for cores
-    try:                       # Linux: a killed parent must not leave workers running
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _train_one(args):

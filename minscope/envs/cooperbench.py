@@ -55,36 +55,18 @@ import json
 import re
 import sys
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..toolcalls import ToolCall, parse_tool_calls
 from . import cooperbench_eval as ev
 from .base import Environment, Episode, Step, Turn
-from .cooperbench_tools import BASH_TOOL, TOOL_OUTPUT_CHARS, TOOLS, Workspace, run_tool, tool_list  # noqa: F401
+from .cooperbench_tools import BASH_TOOL, TOOL_OUTPUT_CHARS, TOOLS, CoopTask, Workspace, run_tool, tool_list  # noqa: F401
 
 SCORE_CACHE = 4096            # pair verdicts remembered (per process)
 _SCORES: OrderedDict = OrderedDict()   # (task, repo, features, spec, patch hashes) -> evaluate_pair result
 
 
 # --------------------------------------------------------------------------- tasks
-@dataclass(frozen=True)
-class CoopTask:
-    """One pair: the coder "agent1" implements feature1, "agent2" feature2."""
-    task_dir: str
-    repo: str
-    feature1: int
-    feature2: int
-
-    @property
-    def name(self) -> str:
-        return ev.task_name(self.task_dir)
-
-    @property
-    def id(self) -> str:
-        return f"{self.name}:f{self.feature1}+f{self.feature2}"
-
-
 def features(task_dir) -> list[int]:
     """The feature numbers of a task folder (feature<k>/ with a feature.md)."""
     out = []

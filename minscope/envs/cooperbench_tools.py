@@ -16,19 +16,33 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..toolcalls import ToolCall
 from . import cooperbench_eval as ev
-
-if TYPE_CHECKING:
-    from .cooperbench import CoopTask
 
 TOOL_OUTPUT_CHARS = 4000      # tool results (and messages) are cut to this many characters (head + tail)
 SEARCH_TIMEOUT = 10           # seconds a search may take
 LIST_LIMIT = 300              # entries list_files shows
 SEARCH_LIMIT = 50             # matching lines search shows
+
+@dataclass(frozen=True)
+class CoopTask:
+    """One pair: the coder "agent1" implements feature1, "agent2" feature2."""
+    task_dir: str
+    repo: str
+    feature1: int
+    feature2: int
+
+    @property
+    def name(self) -> str:
+        return ev.task_name(self.task_dir)
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}:f{self.feature1}+f{self.feature2}"
+
 
 def _tool(name, description, properties=None, required=()):
     return {"type": "function", "function": {
