@@ -46,13 +46,13 @@ import queue
 import random
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .chat import chat_format, strip_reasoning
 from .rollout import eos_token_ids, sample
+from .serve_app import MAX_BODY_BYTES, MAX_MESSAGES, Job, RequestError, build_app
 from . import verbalized
 
 
@@ -134,25 +134,6 @@ def load_target(target: str, adapter: str | None = None, step: str | None = None
 
 # --------------------------------------------------------------------------- batching
 MIN_TEMPERATURE = 1e-5      # below it, sampling is greedy (logits / 5e-324 overflow to inf)
-
-
-class RequestError(ValueError):
-    """What is wrong with one request: answered to it alone, with `status` (4xx)."""
-
-    def __init__(self, message: str, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
-@dataclass
-class Job:
-    messages: list[dict]
-    temperature: float
-    max_tokens: int
-    n: int = 1
-    thinking: bool = False
-    future: Future = field(default_factory=Future)
-    ids: list[int] | None = None          # the prompt's token ids, once checked
 
 
 class Generator:
@@ -326,12 +307,7 @@ class Generator:
         return out
 
 
-# --------------------------------------------------------------------------- the app (serve_app.py)
-MAX_N = 16
-MAX_MESSAGES = 2048
-MAX_BODY_BYTES = 4 * 2**20    # a full 40k-token context is well under 1 MB of JSON
-
-
+# --------------------------------------------------------------------------- the command line
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m minscope.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -384,8 +360,6 @@ def make_server(argv=None):
                          + ("-vs" if args.vs else ""))
     gen = Generator(model, tok, adapter, vs_k=args.vs_k if args.vs else None, max_batch=args.max_batch,
                     seed=args.seed)
-    from .serve_app import build_app
-
     app = build_app(gen, name, args.max_tokens, api_key=args.api_key, max_body=args.max_body_bytes,
                     max_messages=args.max_messages)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
@@ -405,7 +379,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # run the imported module, not this `__main__` copy: serve_app's RequestError and Job
-    # must be the classes the Generator raises and takes
+    # run the imported module, not this `__main__` copy: its Generator must be the class the
+    # app (serve_app) was built with
     from minscope.serve import main as serve_main
     serve_main()

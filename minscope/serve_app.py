@@ -1,6 +1,8 @@
 """The HTTP side of `python -m minscope.serve`: the OpenAI chat-completions routes, the
-request checks (strict types, limits; one RequestError per bad request) and the Guard in
-front of every route (API key, body size). The model side, `Generator`, is in serve.py."""
+request checks (strict types, limits; one RequestError per bad request), the Job a request
+becomes, and the Guard in front of every route (API key, body size). The model side, the
+`Generator` that runs the Jobs, and the command line are in serve.py (which imports this
+module; this one does not import it)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,33 @@ import asyncio
 import hmac
 import time
 import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
-from .serve import MAX_BODY_BYTES, MAX_MESSAGES, MAX_N, Generator, Job, RequestError
+MAX_N = 16
+MAX_MESSAGES = 2048
+MAX_BODY_BYTES = 4 * 2**20    # a full 40k-token context is well under 1 MB of JSON
+
+
+class RequestError(ValueError):
+    """What is wrong with one request: answered to it alone, with `status` (4xx)."""
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclass
+class Job:
+    messages: list[dict]
+    temperature: float
+    max_tokens: int
+    n: int = 1
+    thinking: bool = False
+    future: Future = field(default_factory=Future)
+    ids: list[int] | None = None          # the prompt's token ids, once checked
 
 
 class Message(BaseModel):
@@ -34,7 +59,7 @@ class ChatRequest(BaseModel):
     chat_template_kwargs: dict | None = None
 
 
-def build_app(generator: Generator, name: str, max_tokens: int = 512, api_key: str | None = None,
+def build_app(generator, name: str, max_tokens: int = 512, api_key: str | None = None,
               max_body: int = MAX_BODY_BYTES, max_messages: int = MAX_MESSAGES):
     """The FastAPI app serving `generator` as model `name`; with `api_key`, every request must
     carry it as a bearer token. Bodies over `max_body` bytes are refused before being read."""
