@@ -36,7 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import compute, runfolder
-from .armpool import default_workers, run_pool, threads_per_worker
+from .armpool import default_workers, run_pool
 from .diversity import member_profile, pool_diversity
 from .envs.toy import act_entropy
 from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
@@ -333,20 +333,23 @@ def _run(cfg: ToyConfig, run_dir: Path, cache_dir, resume: bool, log, progress, 
     jobs = sorted(cfg.arms(), key=lambda arm: -arm_cost(arm[0]))
     workers = cfg.workers or default_workers(len(jobs))
     eta = ETA(jobs, workers)
-    if workers <= 1:
+    if workers <= 1:     # in this process, on one CPU thread like a worker (armpool.worker_init)
         toy = Toy(cfg, cache_dir, log=log, progress=progress)
-        for method, seed in jobs:
-            _, _, score = _run_logged(toy, method, seed, run_dir, stop_after, progress)
-            log(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}   {eta.done(method)}")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for method, seed in jobs:
+                _, _, score = _run_logged(toy, method, seed, run_dir, stop_after, progress)
+                log(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}   {eta.done(method)}")
+        finally:
+            torch.set_num_threads(threads)
     else:
-        threads = threads_per_worker(workers)
-        log(f"training {len(jobs)} arms in {workers} processes ({threads} CPU thread{'s' * (threads > 1)} each; "
-            f"{eta.first()}) ...")
+        log(f"training {len(jobs)} arms in {workers} processes (1 CPU thread each; {eta.first()}) ...")
 
         def done(result):
             method, seed, score = result
             log(f"  {arm_name(method, seed):18s} real-user reward {score:.3f}   {eta.done(method)}")
         run_pool(_arm_worker, [(cfg, str(cache_dir), str(run_dir), m, s, stop_after) for m, s in jobs],
-                 workers, done, initargs=(threads,))
+                 workers, done)
     merge_metrics(run_dir, cfg)
     return run_dir

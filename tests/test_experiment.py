@@ -92,6 +92,31 @@ def test_evaluation_does_not_change_training(tmp_path, cache, straight):
     assert [r["step"] for r in records(rare) if r["kind"] == "pool"] == [0, 2, cfg.steps - 1]   # and the last
 
 
+def test_arms_in_this_process_train_on_one_thread_like_the_workers(tmp_path, cache, monkeypatch):
+    """A toy arm's numbers depend on the CPU threads summing its matrix products (seed 0's RL
+    (Single): 0.241 on one thread, 0.246 on two), so arms train on one thread wherever they
+    run: in a pool worker (armpool.worker_init) and in this process (workers=1), which gets
+    its own thread count back after."""
+    import torch
+
+    seen = []
+
+    def fake_arm(toy, method, seed, run_dir, stop_after, progress):
+        seen.append(torch.get_num_threads())
+        return method, seed, 0.0
+
+    monkeypatch.setattr(experiment, "_run_logged", fake_arm)
+    monkeypatch.setattr(experiment, "merge_metrics", lambda run_dir, cfg: None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        experiment.run(tiny_config("toy", methods=("base", "single")), tmp_path, cache, log=lambda *a: None,
+                       progress=False)
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_final_checkpoint_reevaluates_to_the_logged_number(cache, straight):
     import torch
 
@@ -267,10 +292,6 @@ def test_workers_default_to_the_available_cores_capped_by_the_arms(monkeypatch):
     monkeypatch.setattr(armpool.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7}, raising=False)
     assert armpool.cores_available() == 8
     assert armpool.default_workers(16) == 8 and armpool.default_workers(3) == 3 and armpool.default_workers(0) == 1
-    monkeypatch.setattr(armpool.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert armpool.threads_per_worker(8) == 1 and armpool.threads_per_worker(2) == 4
-    monkeypatch.setattr(armpool.os, "getloadavg", lambda: (6.0, 0.0, 0.0))     # 2 cores free
-    assert armpool.threads_per_worker(2) == 1 and armpool.threads_per_worker(1) == 2
     assert experiment.ToyConfig().workers == 0      # 0 = the default above, decided when the run starts
 
 
