@@ -7,6 +7,7 @@ order of a simulator's replies, so this is measured, not assumed.
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,6 +16,9 @@ from .envs.base import Episode, Turn
 from .envs.toy import ToyEnv, World, sharpened, total_variation
 from .simulators import Frozen, Verbalized
 from .verbalized import draw, parse_candidates
+
+if TYPE_CHECKING:           # (toy_models imports this module)
+    from .toy_models import ToyModels
 
 
 def fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: int = 0,

@@ -9,7 +9,7 @@ from minscope.envs.wordgame import Asker, WordGame
 from minscope.methods import build_method, train_step
 from minscope.models import add_adapters, adapter_state, build_tiny_model
 from minscope.rollout import LMSpeaker
-from minscope.simulators import Frozen, Verbalized
+from minscope.simulators import Frozen
 from minscope.trainer import UpdateConfig
 
 

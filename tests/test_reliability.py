@@ -5,7 +5,6 @@ results, non-finite numbers, evaluator errors, and argument checks."""
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time

@@ -3,7 +3,6 @@ free local port, and `served.ServedSpeaker` talking to it over HTTP as the froze
 through Verbalized Sampling, as an evaluation panel member, and against a server that fails."""
 import asyncio
 import json
-import os
 import socket
 import threading
 import time
