@@ -88,17 +88,7 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
     run = _Forward(model, cache, adapter_names)
     cache.reserve(max(len(p) - k for p, k in zip(prompts, reused)) + max_new_tokens, device)   # the whole turn
 
-    # prefill: each row's new suffix, left-padded; positions continue from its cached ids
-    S = max(len(p) - k for p, k in zip(prompts, reused))
-    input_ids = torch.full((B, S), pad_id, dtype=torch.long)
-    real = torch.zeros((B, S), dtype=torch.bool)
-    position = torch.zeros((B, S), dtype=torch.long)
-    for i, (p, k) in enumerate(zip(prompts, reused)):
-        n = len(p) - k
-        input_ids[i, S - n:] = torch.tensor(p[k:])
-        real[i, S - n:] = True
-        position[i, S - n:] = torch.arange(k, len(p))
-    logits = run(input_ids.to(device), real.to(device), position.to(device))
+    logits = run(*suffix_batch(prompts, reused, pad_id, device))
 
     out_ids = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=device)
     out_logp = torch.zeros((B, max_new_tokens), device=device)
@@ -151,6 +141,22 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
     return result_ids, result_logp
 
 
+def suffix_batch(prompts: list[list[int]], reused: list[int], pad_id: int, device):
+    """The prefill of each prompt's uncached suffix (its first `reused` ids are cached), left
+    padded: (input_ids, real, position) [B, S] on `device`; positions continue from the
+    cached ids."""
+    S = max(len(p) - k for p, k in zip(prompts, reused))
+    input_ids = torch.full((len(prompts), S), pad_id, dtype=torch.long)
+    real = torch.zeros((len(prompts), S), dtype=torch.bool)
+    position = torch.zeros((len(prompts), S), dtype=torch.long)
+    for i, (p, k) in enumerate(zip(prompts, reused)):
+        n = len(p) - k
+        input_ids[i, S - n:] = torch.tensor(p[k:])
+        real[i, S - n:] = True
+        position[i, S - n:] = torch.arange(k, len(p))
+    return input_ids.to(device), real.to(device), position.to(device)
+
+
 @torch.no_grad()
 def next_token_logprobs(model, prompts: list[list[int]], pad_id: int, adapter_names: list[str] | None = None,
                         cache: KVCache | None = None, owners: list | None = None) -> torch.Tensor:
@@ -165,15 +171,7 @@ def next_token_logprobs(model, prompts: list[list[int]], pad_id: int, adapter_na
     owners = [object() for _ in prompts] if owners is None else owners
     reused = cache.prepare(owners, prompts, device)
     cache.last_prefilled = [len(p) - k for p, k in zip(prompts, reused)]
-    S = max(len(p) - k for p, k in zip(prompts, reused))
-    input_ids = torch.full((len(prompts), S), pad_id, dtype=torch.long)
-    real = torch.zeros((len(prompts), S), dtype=torch.bool)
-    position = torch.zeros((len(prompts), S), dtype=torch.long)
-    for i, (p, k) in enumerate(zip(prompts, reused)):
-        input_ids[i, S - (len(p) - k):] = torch.tensor(p[k:])
-        real[i, S - (len(p) - k):] = True
-        position[i, S - (len(p) - k):] = torch.arange(k, len(p))
-    logits = _Forward(model, cache, adapter_names)(input_ids.to(device), real.to(device), position.to(device))
+    logits = _Forward(model, cache, adapter_names)(*suffix_batch(prompts, reused, pad_id, device))
     cache.record(owners, prompts)
     return torch.log_softmax(logits.float(), dim=-1).cpu()
 
