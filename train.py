@@ -279,7 +279,7 @@ def check_real_args(p, args):
     if toy:
         p.error(f"{', '.join(toy)} {'is' if len(toy) == 1 else 'are'} for the toy experiment (--env toy), "
                 f"not --env {args.env}")
-    from minscope.runner import REAL_METHODS
+    from minscope.real_args import REAL_METHODS
 
     if args.method is not None and args.method not in REAL_METHODS:
         p.error(f"--method {args.method!r}: choose one of {', '.join(REAL_METHODS)}")
@@ -313,7 +313,7 @@ def check_resume(p, args):
     keep = {"resume", "env", "runs_dir"} | ({"workers", "cache_dir"} if toy else {"steps", "device"})
     if toy and args.steps is not None and args.steps != saved.get("steps"):
         return                     # run_toy explains that a toy run keeps its steps
-    from minscope.runner import resolve_path
+    from minscope.real_args import resolve_path
 
     changed = []
     for key in given(args):

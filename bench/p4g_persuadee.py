@@ -37,8 +37,9 @@ def main(argv=None):
     from minscope.evaluate import evaluate_panel
     from minscope.files import read_json
     from minscope.models import load_adapter, quiet
+    from minscope.real_args import make_env, setting
+    from minscope.real_models import build_real_method
     from minscope.real_report import pick_checkpoint
-    from minscope.runner import build_real_method, make_env, setting
 
     quiet()
     config = Path(args.run_dir) / "config.json"

@@ -63,7 +63,7 @@ def main(argv=None):
 
     from minscope.envs.p4g import P4GEnv, words_for_tokens
     from minscope.models import load_model, quiet
-    from minscope.runner import _attach_adapter, adapter_folder
+    from minscope.real_models import _attach_adapter, adapter_folder
     from minscope.rollout import rollout
     from minscope.simulators import Frozen
 

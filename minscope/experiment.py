@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from . import compute, runfolder
 from .armpool import default_workers, run_pool
@@ -41,15 +40,26 @@ from .diversity import member_profile, pool_diversity
 from .envs.toy import act_entropy
 from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
 from .files import RunLock, load_state, read_jsonl, save_atomic, write_text_atomic
+from .loop import Log, run_loop
 from .methods import Method, train_step
 from .models import adapter_state, load_adapter_state
-from .monitor import CollapseMonitor, log_with_alarms
+from .monitor import CollapseMonitor
 from .runfolder import MetricsLog, arm_name, check_saved_arms
 from .simulators import Frozen, Population
 from .toy_models import ToyModels, aligned_fidelity, fidelity, fidelity_problems
+
 # the set-up, part of this module's API: settings, models, environment, panel, arms
-from .toy_setup import (TOY_METHODS, TOY_VARIANTS, AnchorBatches, Toy, ToyConfig,  # noqa: F401
-                        is_toy_variant, load_config, reference_values)
+from .toy_setup import (  # noqa: F401
+    TOY_METHODS,
+    TOY_VARIANTS,
+    AnchorBatches,
+    Toy,
+    ToyConfig,
+    is_toy_variant,
+    load_config,
+    reference_values,
+)
+
 
 # --------------------------------------------------------------------------- state
 def arm_state(m: Method, step: int, extra: dict) -> dict:
@@ -107,16 +117,27 @@ def _eval_record(toy: Toy, m: Method, method: str, seed: int, step: int, final: 
             rec[name + "_ci95"] = r["ci95"]
     rec["panel"] = float(np.mean([r["mean"] for r in res.values() if r.get("kind") in ("seen", "unseen")]))
     rec["real_users_rewards"] = [e.reward for e in res["real_users"]["episodes"]]
-    rec["transcripts"] = [e.transcript(("persuader", "user")) for e in res["real_users"]["episodes"][::n_real][:2]]
+    # two sampled dialogues with the real users, and two with the training simulator (sim-a):
+    # what the report puts side by side (a collapsed policy pleases one and not the other)
+    rec["dialogues"] = [dialogue(e, who) for who in ("real_users", "sim-a") if who in res
+                        for e in res[who]["episodes"][::n_real if who == "real_users" else c.eval_episodes][:2]]
     acts = [tuple(e.info.get("acts", ())) for e in res["real_users"]["episodes"]]
     rec["act_entropy"] = act_entropy(acts)      # measurement only: reads the episodes
     rec["top_sequence"] = " | ".join(max(sorted(set(acts)), key=acts.count)) if acts else ""
     return rec
 
 
+def dialogue(ep, who: str) -> dict:
+    """One sampled dialogue of an evaluation, as the report shows it."""
+    return {"with": who, "persona": ep.task.name, "reward": ep.reward, "text": ep.transcript(("persuader", "user"))}
+
+
 def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: int | None = None,
             progress: bool = True, alarm_line=print):
-    """Train (or, for "base", only evaluate) one arm; resumes from its saved state."""
+    """Train (or, for "base", only evaluate) one arm through `loop.run_loop`; resumes from its
+    saved state. What is the toy's own: the panel evaluation with the real users
+    (`eval_record`) and the collapse meter, the training compute counted, and the pool
+    measurements of a trained simulator after a step."""
     c = toy.cfg
     arms = run_dir / "arms"
     arms.mkdir(exist_ok=True)
@@ -125,7 +146,8 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
     random.seed(seed)
     np.random.seed(seed)
     m = toy.method(method, seed)
-    start, best, profiles, spent = 0, {"panel": -1.0}, {}, compute.totals()   # spent: training compute so far
+    start, best, profiles = 0, {}, {}
+    spent = compute.totals()                  # the training compute so far
     monitor = CollapseMonitor(c.monitor)
     if state_path.exists():
         state = load_state(state_path)
@@ -136,31 +158,26 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
             return
         if hasattr(write, "path"):              # the monitor's state is a function of the log
             monitor.replay(read_jsonl(write.path, warn=lambda msg: None))
-
-    def emit(rec):        # log, then the alarms it raises (one console line per arm: its first)
-        log_with_alarms(monitor, rec, write, alarm_line and (lambda line: alarm_line(f"  {arm_name(method, seed)}: {line}")),
-                        method=method, seed=seed)
     steps = 0 if method == "base" else c.steps
     tasks = toy.env.tasks()
-    bar = tqdm(range(start, steps + 1), desc=arm_name(method, seed), leave=False, initial=start,
-               total=steps + 1, disable=not progress)
-    for step in bar:
-        if step % c.eval_every == 0 or step == steps:
-            rec = eval_record(toy, m, method, seed, step, final=step == steps)
-            if c.meter_every and (step % c.meter_every == 0 or step == steps):
-                partner = m.partner if method != "base" else toy.frozen["sim-a"]
-                # (+1: a stream apart from this evaluation's; it is the next step's evaluation
-                # seed, which only matters with eval_every = 1)
-                with isolated_rng(eval_seed(seed, step) + 1, partner):
-                    rec["meter"] = collapse_meter(toy.env, m.policy, partner, tasks, n_ref=2, n_resample=4, n_mode=6)
-            rec["compute_total"] = spent          # the training compute behind this policy
-            emit(rec)
-            if rec["panel"] > best["panel"]:
-                best = {"panel": rec["panel"], "step": step, "real_users": rec["real_users"]}
-                save_atomic({"step": step, "policy": adapter_state(m.policy.model, "policy")}, best_path)
-            bar.set_postfix(real=f"{rec['real_users']:.2f}", panel=f"{rec['panel']:.2f}")
-        if step == steps:
-            break
+
+    def evaluate(step):
+        rec = eval_record(toy, m, method, seed, step, final=step == steps)
+        if c.meter_every and (step % c.meter_every == 0 or step == steps):
+            partner = m.partner if method != "base" else toy.frozen["sim-a"]
+            # (+1: a stream apart from this evaluation's; it is the next step's evaluation
+            # seed, which only matters with eval_every = 1)
+            with isolated_rng(eval_seed(seed, step) + 1, partner):
+                rec["meter"] = collapse_meter(toy.env, m.policy, partner, tasks, n_ref=2, n_resample=4, n_mode=6)
+        rec["compute_total"] = spent          # the training compute behind this policy
+        return rec
+
+    def keep_best(step, rec):
+        save_atomic({"step": step, "policy": adapter_state(m.policy.model, "policy")}, best_path)
+        return {"panel": rec["panel"], "step": step, "real_users": rec["real_users"]}
+
+    def train(step):
+        nonlocal spent
         batch = [tasks[(step * c.groups + g) % len(tasks)] for g in range(c.groups)]
         t0 = time.time()
         metrics = train_step(m, toy.env, batch, c.group_size, step)
@@ -170,14 +187,22 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
                        invalid_acts=float(np.mean([e.info.get("n_invalid", 0) for e in episodes])),
                        act_entropy=act_entropy([e.info.get("acts", ()) for e in episodes]),
                        compute_total=spent)
-        emit(metrics)
+        return metrics
+
+    def after_step(step):
         if m.trains_simulator and (step % (c.pool_measure_every or c.pool_every) == 0 or step == steps - 1):
             with isolated_rng(eval_seed(seed, step) + 2, m.partner):
                 write({"kind": "pool", "method": method, "seed": seed, "step": step,
                        **measure_pool(toy, m, step, profiles)})
+
+    def save(step, best):
         save_atomic(arm_state(m, step, {"best": best, "profiles": profiles, "compute": spent}), state_path)
-        if stop_after is not None and step + 1 >= stop_after:
-            raise KeyboardInterrupt   # used by tests to simulate an interruption
+
+    # one console line per arm: its first alarm
+    announce = alarm_line and (lambda line: alarm_line(f"  {arm_name(method, seed)}: {line}"))
+    best = run_loop(steps, c.eval_every, train, evaluate, Log(write, monitor, announce, dict(method=method, seed=seed)),
+                    save, keep_best, score="panel", start=start, best=best, after_step=after_step,
+                    desc=arm_name(method, seed), progress=progress, stop_after=stop_after)
     save_atomic({**arm_state(m, steps, {"best": best, "profiles": profiles, "compute": spent}), "finished": True},
                 state_path)
 

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from .loop import run_loop
 from .methods import build_method, train_step
 from .models import adapter_state, load_adapter_state
 from .rollout import LMSpeaker, rollout
@@ -51,7 +52,8 @@ def train(policy: LMSpeaker, env, steps: int, lr: float, seed: int, groups: int 
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     rewards = []
-    for step in range(steps):
+
+    def one_step(step):
         batch = [tasks[i] for i in torch.randperm(len(tasks), generator=gen)[:groups].tolist()]
         t0 = time.perf_counter()
         metrics = train_step(method, env, batch, group_size, step, seed=seed * 100_003 + step)
@@ -60,6 +62,9 @@ def train(policy: LMSpeaker, env, steps: int, lr: float, seed: int, groups: int 
         rewards.append(metrics["train_reward"])
         if log is not None:
             log(step, metrics)
+        return metrics
+    # the one training loop (loop.run_loop), with nothing to evaluate, save or write
+    run_loop(steps, steps + 1, one_step, evaluate=lambda step: None, log=lambda rec: None, progress=False)
     return rewards
 
 

@@ -47,6 +47,9 @@ that chunk's logits (see `minscope.cublas_logprobs`).
 
 The gradient w.r.t. W is summed over row chunks in fp32 and only cast to W's dtype at the
 end. The weight is usually frozen (LoRA); tiny models trained from scratch do need it.
+
+One file, though long: the forward and the backward of the chunked log-prob must agree chunk
+for chunk, so they stay side by side.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ minscope only sees a model with named adapters:
 
 A LoRA adapter on a small model is a few MB, so a population of simulators costs almost
 nothing. The reference model for the KL term is the base with adapters disabled.
+
+One file, though long: loading, quantising, adapters and their state are the only places
+that touch PEFT, so an upgrade of it is checked here alone.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ What the report holds:
         over trials, each feature's pass rate, merges (clean / union), messages sent, turns
         used and submissions per coder, the training log and transcripts.
 Summaries (no transcripts) also go to eval.json.
+
+One file, though long: the three environments' sections are short and share the evaluation
+and the transcript formatting; splitting them would give three files of 100 lines that
+import each other.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ import torch
 from .evaluate import evaluate_panel, pass_hat_k, summarize
 from .files import read_json, read_jsonl
 from .models import load_adapter
-from .runner import build_models, eval_tasks, make_env, models_thinking
+from .real_args import eval_tasks, make_env
+from .real_models import build_models, models_thinking
+from .report_html import write_html
 
 SUCCESS = 1.0 - 1e-6           # tau2 rewards are products of 0/1 evaluator scores
 # (label, lo, hi): lo <= donation < hi, so every amount (99.5 cents too) lands in one bin
@@ -312,7 +318,7 @@ def training_log(run_dir: Path) -> list[str]:
         out += ["", "Training reward per step: " + " ".join(_f(r, 2) for r in train) + "."]
     if evals:
         skip = {"kind", "step", "split", "tasks", "panel_mean", "seen", "unseen", "eval_temperature", "eval_s",
-                "seen_se", "unseen_se"}
+                "seen_se", "unseen_se", "dialogues"}
         names = [k for k in evals[0] if k not in skip]
         n = evals[0].get("tasks")
         which = f"the first {n} {evals[0].get('split', 'test')} tasks" if n else f"{evals[0].get('split', 'test')} tasks"
@@ -389,15 +395,15 @@ def transcripts(members: dict, names, n: int) -> list[str]:
 def render_report(run_dir: Path, result: dict | None, transcripts_per_member: int = 3) -> str:
     run_dir = Path(run_dir)
     cfg = read_json(run_dir / "config.json")
-    lines = [f"# {run_dir.name}: evaluation", "",
+    lines = [f"# {run_dir.name}: " + ("evaluation" if result is not None else "training log"), "",
              f"Environment `{cfg['env']}`" + (f" (domain {cfg['domain']})" if cfg["env"] == "tau2" else "") +
              f", method `{cfg['method']}`, policy `{cfg['policy']}`, " +
              (f"the environment's scripted {cfg['scripted_partner']}" if cfg.get("scripted_partner") else
               f"simulator `{cfg.get('simulator') or cfg['policy']}`") +
              f", trained for {cfg.get('steps')} steps.", ""]
     if result is None:
-        lines += ["No evaluation was run (`--report-only`): `python eval.py RUN_DIR` evaluates the "
-                  "saved policy."]
+        lines += ["This report is the training log (written when the run ends, or by `eval.py --report-only`); "
+                  "`python eval.py RUN_DIR` evaluates the saved policy on every test task and adds its tables."]
     else:
         lines += [f"Checkpoint `policy-step{result['step']}` ({result['checkpoint']}); "
                   f"{result['tasks']} {result['split']} tasks x {result['per_task']} episodes per panel "
@@ -421,15 +427,63 @@ def render_report(run_dir: Path, result: dict | None, transcripts_per_member: in
     return "\n".join(lines) + "\n"
 
 
+def training_curves(run_dir: Path) -> str | None:
+    """curves.png: the training reward per step (with the P4G readings when logged) and the
+    panel means of the evaluations; None when the log has no training step."""
+    path = run_dir / "metrics.jsonl"
+    recs = read_jsonl(path, warn=lambda msg: None) if path.exists() else []
+    train, evals = [r for r in recs if r.get("kind") == "train"], [r for r in recs if r.get("kind") == "eval"]
+    if not train:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    for key in ("train_reward", *(k for k in READINGS if k in train[0] and k != "readout_decision")):
+        left.plot([r["step"] for r in train], [r.get(key, np.nan) for r in train], marker=".", label=key)
+    left.set(title="training episodes", xlabel="step")
+    for key in [k for k in ("panel_mean", "seen", "unseen", *READINGS) if evals and k in evals[0]]:
+        right.plot([r["step"] for r in evals], [r[key] for r in evals], marker="o", label=key)
+    right.set(title="evaluations (held-out tasks)", xlabel="step")
+    for ax in (left, right):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(run_dir / "curves.png", dpi=90)
+    plt.close(fig)
+    return "curves.png"
+
+
+def logged_dialogues(run_dir: Path) -> list:
+    """report.html's dialogues: those train.py kept at the first and the last training step
+    and evaluation that logged them (`runner.dialogue`)."""
+    path = run_dir / "metrics.jsonl"
+    recs = [r for r in (read_jsonl(path, warn=lambda msg: None) if path.exists() else []) if r.get("dialogues")]
+    out = []
+    for kind, what in (("eval", "evaluation"), ("train", "training")):
+        mine = [r for r in recs if r["kind"] == kind]
+        for r in ([mine[0], mine[-1]] if len(mine) > 1 else mine):
+            out.append((f"{what}, step {r['step']}",
+                        [(f"with {d['with']}, task {d['task']}, reward {d['reward']:.3f}", d["text"])
+                         for d in r["dialogues"]]))
+    return out
+
+
 def write_real_report(run_dir, evaluate: bool = True, transcripts_per_member: int = 3, **kw) -> Path:
-    """Evaluate (unless `evaluate` is False) and write report.md (+ eval.json); kw go to
-    `evaluate_run`. Returns the report's path."""
+    """Evaluate (unless `evaluate` is False) and write report.md (+ eval.json), the training
+    curves and report.html; kw go to `evaluate_run`. Returns report.md's path."""
     run_dir = Path(run_dir)
     result = evaluate_run(run_dir, **kw) if evaluate else None
     if result is not None:
         summary = {k: v for k, v in result.items() if k not in ("members", "config", "names")}
         summary["members"] = {k: {"kind": m["kind"], **m["summary"]} for k, m in result["members"].items()}
         (run_dir / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
+    md = render_report(run_dir, result, transcripts_per_member)
+    curves = training_curves(run_dir)
+    if curves:
+        md += f"\n![{curves}]({curves})\n"
     path = run_dir / "report.md"
-    path.write_text(render_report(run_dir, result, transcripts_per_member))
+    path.write_text(md)
+    write_html(run_dir, f"minscope: {run_dir.name}", md, logged_dialogues(run_dir))
     return path

@@ -12,6 +12,10 @@ three seeds it is close to the seeds' min..max, far narrower than the t-interval
 
 prints the per-arm table (final and best-panel checkpoints side by side) and the paired
 comparisons of the finished arms of one or more run folders (while a run is going too).
+
+One file, though long: every section reads the same `summarize` output, and the tables,
+intervals and plots of one run are checked together (`report_html.py` turns the result into
+the self-contained page).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 
 from .files import read_json, read_jsonl
 from .monitor import first_alarms
+from .report_html import write_html
 from .seedstats import paired, t_interval
 
 LABELS = {"base": "Base (untrained)", "single": "RL (Single)", "vs": "Verbalized Sampling",
@@ -581,15 +586,39 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
                       "from their world for the results above to say much about simulator collapse.", ""]
     if extra_md:
         lines += [extra_md, ""]
-    lines += ["## Transcripts (final policy vs real users)", ""]
-    data = collect(records)
-    for method, seeds in data.items():
+    lines += ["## Transcripts (final policy, first seed)", ""]
+    for method, seeds in collect(records).items():
         first = next(iter(seeds.values()))
         if first["eval"]:
+            last = first["eval"][-1]
             lines.append(f"**{label(method)}**")
-            lines += ["```"] + first["eval"][-1].get("transcripts", [])[:2] + ["```"]
+            lines += ["```"] + [f"[{d['with']}, {d['persona']}, reward {d['reward']:.2f}]\n{d['text']}"
+                                for d in eval_dialogues(last)] + ["```"]
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
+    write_html(run_dir, f"minscope toy experiment: {run_dir.name}", "\n".join(lines), toy_dialogues(records))
     return results
+
+
+def eval_dialogues(rec: dict) -> list[dict]:
+    """An evaluation record's sampled dialogues (`experiment.dialogue`); a run logged before
+    they were kept has real-user transcripts only."""
+    if "dialogues" in rec:
+        return rec["dialogues"]
+    return [{"with": "real_users", "persona": "?", "reward": float("nan"), "text": t} for t in rec.get("transcripts", [])]
+
+
+def toy_dialogues(records) -> list:
+    """report.html's dialogues: per arm (its first seed), the first and the last evaluation's,
+    with the real users and with the training simulator side by side."""
+    out = []
+    for method, seeds in collect(records).items():
+        seed, first = next(iter(seeds.items()))
+        evals = first["eval"]
+        for rec in ([evals[0], evals[-1]] if len(evals) > 1 else evals):
+            items = [(f"with {'the real users' if d['with'] == 'real_users' else 'its training simulator ' + d['with']}"
+                      f", {d['persona']}, reward {d['reward']:.2f}", d["text"]) for d in eval_dialogues(rec)]
+            out.append((f"{label(method)}, seed {seed}, step {rec['step']}", items))
+    return out
 
 
 def finished_records(run_dirs) -> tuple[list[dict], list[str]]:

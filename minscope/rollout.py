@@ -17,6 +17,10 @@ sampled — generated text is never re-tokenized.
 
 On generated tokens the two masks are complementary: every sampled token belongs to exactly
 one party's stream with mask 1.
+
+One file, though long: sampling, the kept KV cache and the token streams interlock (a
+party's stream must hold exactly what its cache was fed), so the code that keeps them
+consistent is read in one place.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Training with real Hugging Face models on a real environment (P4G, tau2-bench, ...).
 
-The same `methods.train_step` as the toy experiment; what differs is where the models and
-tasks come from. Policy and simulator may share one base model (then the frozen simulator
+The same loop (`loop.run_loop`) and `methods.train_step` as the toy experiment; what differs
+is where the models and tasks come from: the settings are checked in `real_args`, the models
+built in `real_models`, and this file holds the run folder's state files, the evaluation and
+the callbacks the loop calls. Policy and simulator may share one base model (then the frozen simulator
 is that base with adapters disabled, and the trainable simulator is a second adapter on
 it). Every `--eval-every` steps the policy is evaluated against the panel on the first
 `--groups` test tasks, one episode each, policy and simulators at `--eval-temperature` (0,
@@ -29,8 +31,8 @@ and `eval_s` on evaluation records) and counts the tokens fed and sampled.
 
 Panel entries (`--panel a,unseen:b`) are model directories / hub names, or PEFT adapter
 directories (e.g. a co-trained `simulator-step64/`), which are loaded onto the simulator's
-base model. `build_models` is shared with `real_report` (eval.py), which rebuilds the same
-models from a run's config.json.
+base model. `real_models.build_models` is shared with `real_report` (eval.py), which rebuilds
+the same models from a run's config.json.
 
 Served simulators: `--simulator openai:MODEL@http://HOST:PORT/v1` (and the same spec as a
 panel entry) is a model behind an OpenAI-compatible endpoint (`minscope.served`); nothing
@@ -41,285 +43,43 @@ rank 0 alone evaluates and writes the run folder (`minscope.distributed`).
 
 from __future__ import annotations
 
-import argparse
-import copy
 import json
 import os
 import random
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from . import distributed
-from .envs.base import read_personas
 from .evaluate import eval_seed, evaluate_panel, isolated_rng
-from .files import RunLock, load_state as load_state_file, read_json, read_jsonl, save_atomic, truncate_log, write_text_atomic
-from .methods import METHODS, build_method, train_step
-from .models import (adapter_state, add_adapters, enable_checkpointing, load_adapter, load_adapter_state,
-                     load_model, pick_device, save_adapter)
-from .monitor import CollapseMonitor, MonitorConfig, log_with_alarms
-from .rollout import LMSpeaker, StreamError, rollout_batch
-from .served import ServedSpeaker, is_spec, parse_spec, served_speakers, take_usage
-from .simulators import Frozen
-from .trainer import UpdateConfig
+from .files import RunLock, read_jsonl, save_atomic, truncate_log, write_text_atomic
+from .files import load_state as load_state_file
+from .loop import Log, run_loop
+from .methods import train_step
+from .models import adapter_state, load_adapter_state, save_adapter
+from .monitor import CollapseMonitor, MonitorConfig
+from .real_args import (
+    check_args,
+    check_memory_args,
+    eval_tasks,
+    make_env,
+    restore_args,
+    setting,
+)
+from .real_models import Models, build_real_method, default_rollout_batch, eval_panel
+from .real_report import format_episode, write_real_report
+from .rollout import StreamError, rollout_batch
+from .served import served_speakers, take_usage
 
-REAL_METHODS = tuple(m for m in METHODS if m != "oracle")   # oracle needs scripted real users
-TRAINS_SIMULATOR = ("cotrain", "population")   # methods with a trainable "simulator" adapter
-DEFAULT_STEPS = 250
-SAMPLING_TEMPERATURE = 0.7                     # policy and simulators during training (--temperature)
-# Settings that real runs once fixed in the code: a config.json written before they were
-# flags (train.py --seed, --temperature, ...) ran with these values, so a resume or an
-# evaluation of such a run reads them from here (`setting`).
-FIXED_BEFORE = dict(seed=0, temperature=SAMPLING_TEMPERATURE, kl=0.005, lora_r=8, lora_alpha=16, pool_size=5,
-                    pool_every=4, vs_k=5, sim_reward=None, device="auto", monitor=None)
 TIMING_KEYS = ("seconds", "rollout_s", "update_s", "eval_s")   # wall times in metrics.jsonl
-CPU_ROLLOUT_BATCH = 32                         # episodes generated at once on a CPU
-
-
-def setting(args, key: str):
-    """A run setting of train.py's `args` (or a saved config.json): its value, or for a run
-    saved before it was a flag, the value runs had then (FIXED_BEFORE)."""
-    value = getattr(args, key, None)
-    return FIXED_BEFORE[key] if value is None else value
 
 
 def step_seed(seed: int, step: int) -> int:
     """The random stream of training step `step` of a run with seed `seed` (the tasks drawn,
     the rollout's sampling): the step itself for seed 0."""
     return 1_000_003 * seed + step
-
-
-# --------------------------------------------------------------------------- environment
-def make_env(args):
-    if args.env == "p4g":
-        from .envs.p4g import P4GEnv, words_for_tokens
-        from .envs.p4g_data import DataError
-
-        if not args.data:
-            raise SystemExit("--env p4g needs --data PATH (the Persuasion for Good CSV release "
-                             "or a ConvoKit corpus folder)")
-        try:
-            return P4GEnv(args.data, max_turns=getattr(args, "max_turns", None) or 10,
-                          max_words=words_for_tokens(getattr(args, "max_new_tokens", None)),
-                          reward=getattr(args, "p4g_reward", None) or "parsed")
-        except (FileNotFoundError, DataError) as e:   # missing data (and where to get it), or damaged
-            raise SystemExit(f"error: {e}") from None
-    if args.env == "tau2":
-        from .envs.tau2 import Tau2Env
-
-        try:
-            return Tau2Env(args.domain, max_turns=getattr(args, "max_turns", None) or 30)
-        except (ImportError, ValueError) as e:   # tau2 not installed, or an unknown domain
-            raise SystemExit(f"error: {e}") from None
-    if args.env == "cooperbench":
-        from .envs.cooperbench import CooperBenchEnv
-        from .envs.cooperbench_eval import EvalError
-
-        if not args.data or not getattr(args, "repos", None):
-            raise SystemExit("--env cooperbench needs --data PATH (the dataset/ folder of a CooperBench checkout) "
-                             "and --repos DIR (the tasks' base repositories: git clones or `git archive` tarballs)")
-        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if getattr(args, "tasks", None) else None
-        try:
-            return CooperBenchEnv(args.data, args.repos, tasks=tasks, subset=getattr(args, "subset", None),
-                                  test_subset=getattr(args, "test_subset", None),
-                                  max_turns=getattr(args, "coder_turns", None) or 50, bash=bool(getattr(args, "bash", False)),
-                                  unsafe_no_sandbox=bool(getattr(args, "unsafe_no_sandbox", False)))
-        except (FileNotFoundError, EvalError) as e:   # missing data, or a task that needs Docker
-            raise SystemExit(f"error: {e}") from None
-    if args.env == "wordgame":
-        from .envs.wordgame import WordGame
-
-        return WordGame()
-    if args.env == "numbers":
-        from .envs.numbers import Numbers
-
-        return Numbers()
-    raise SystemExit(f"unknown environment {args.env!r}")
-
-
-def eval_tasks(env) -> tuple[list, str]:
-    """The held-out tasks, and which split they are. A tiny corpus can leave the test split
-    empty (P4G splits personas by a hash of the user id); then the training tasks are
-    used, with a warning, so that the run still reports something."""
-    tasks = env.tasks("test")
-    if tasks:
-        return tasks, "test"
-    why = getattr(env, "no_test_reason", "the corpus is too small to split")
-    print(f"warning: {env.name} has no test tasks ({why}); "
-          "evaluating on the TRAINING tasks instead, so evaluation numbers are not held out",
-          file=sys.stderr)
-    return env.tasks("train"), "train"
-
-
-# --------------------------------------------------------------------------- models
-def resolve_path(name: str | None) -> str | None:
-    """An existing local path made absolute (so a run can be evaluated from anywhere);
-    anything else (a hub name) unchanged."""
-    if not name:
-        return name
-    path = Path(name).expanduser()
-    return str(path.resolve()) if path.exists() else name
-
-
-def adapter_folder(path: str) -> Path | None:
-    """The folder holding a PEFT adapter (adapter_config.json) at `path` or in its only
-    subfolder (save_adapter writes `DIR/<adapter name>/`); None for a model directory."""
-    p = Path(path).expanduser()
-    if (p / "adapter_config.json").is_file():
-        return p
-    subs = list(p.glob("*/adapter_config.json")) if p.is_dir() else []
-    return subs[0].parent if len(subs) == 1 else None
-
-
-def parse_panel(spec: str) -> list[tuple[str, str]]:
-    """"a,unseen:b,seen:c" -> [("a", "seen"), ("b", "unseen"), ("c", "seen")]."""
-    out = []
-    for entry in filter(None, (e.strip() for e in (spec or "").split(","))):
-        kind = "seen"
-        for prefix in ("unseen:", "seen:"):
-            if entry.startswith(prefix):
-                kind, entry = prefix[:-1], entry[len(prefix):]
-        out.append((resolve_path(entry), kind))
-    return out
-
-
-def _attach_adapter(model, name: str, folder: Path):
-    """Load a PEFT adapter from `folder` into slot `name`, wrapping a plain model first."""
-    from peft import PeftModel
-
-    if isinstance(model, PeftModel):
-        load_adapter(model, name, folder)
-        return model
-    return PeftModel.from_pretrained(model, str(folder), adapter_name=name)
-
-
-def served_name(spec: str) -> str:
-    """A panel label for a served member: its model name (the spec itself if unreadable)."""
-    try:
-        return parse_spec(spec)[0].replace("/", "_")
-    except ValueError:
-        return spec
-
-
-@dataclass
-class Models:
-    """Everything a real run or its evaluation samples from."""
-    policy_model: object          # PeftModel with adapter "policy" (+ "simulator" when shared)
-    tokenizer: object
-    sim_model: object             # the simulator's base (the same object when shared)
-    sim_tokenizer: object
-    policy: LMSpeaker             # the policy at the training temperature
-    frozen: list                  # the frozen training simulator(s)
-    panel: dict                   # name -> (speaker, "seen" | "unseen")
-
-
-def build_models(args, train_simulator: bool = False, panel_spec: str | None = None,
-                 partner=None) -> Models:
-    """Load the policy, the simulator and the panel named by train.py's `args`.
-
-    train_simulator: add a trainable "simulator" adapter on the simulator's base
-    (Co-Training). panel_spec overrides `args.panel`. The frozen training simulator is
-    the simulator's base with adapters disabled; it is also the panel's first member.
-    partner: the environment's scripted partner (`Environment.scripted_partner`): it is the
-    training partner and the whole panel, and no simulator model is loaded.
-    """
-    bits = dict(load_in_4bit=args.load_in_4bit, device=pick_device(setting(args, "device")))
-    temperature = setting(args, "temperature")
-    if partner is not None:
-        policy_model, tok = load_model(resolve_path(args.policy), **bits)
-        policy_model = add_adapters(policy_model, ["policy"])
-        policy = LMSpeaker(policy_model, tok, "agent", adapter="policy", temperature=temperature,
-                           max_new_tokens=args.max_new_tokens, name="policy")
-        return Models(policy_model, tok, None, None, policy, [partner], {partner.name: (partner, "seen")})
-    served_sim = is_spec(args.simulator)      # openai:MODEL@URL: nothing to load for it here
-    if served_sim and train_simulator:
-        raise SystemExit(f"--simulator {args.simulator}: a served simulator cannot be trained; Co-Training "
-                         "needs its weights here (give a model name or path)")
-    policy_path = resolve_path(args.policy)
-    sim_path = None if served_sim else resolve_path(args.simulator)
-    policy_model, tok = load_model(policy_path, **bits)
-    shared = not sim_path or sim_path == policy_path
-    sim_model, sim_tok = (policy_model, tok) if shared else load_model(sim_path, **bits)
-    sim_path = sim_path or policy_path
-
-    # Decide every adapter before creating any speaker: wrapping a model in peft changes
-    # which object has to be called (the raw base would then run the active adapter).
-    lora = dict(r=setting(args, "lora_r"), alpha=setting(args, "lora_alpha"))
-    policy_model = add_adapters(policy_model, ["policy"] + (["simulator"] if shared and train_simulator else []), **lora)
-    if shared:
-        sim_model = policy_model
-    elif train_simulator:
-        sim_model = add_adapters(sim_model, ["simulator"], **lora)
-    specs = parse_panel(args.panel if panel_spec is None else panel_spec)
-    slots = {}                                 # panel index -> adapter slot on the simulator
-    for i, (path, _) in enumerate(specs):
-        folder = None if is_spec(path) else adapter_folder(path)
-        if folder is not None:                 # a PEFT adapter: onto the simulator's base
-            slots[i] = f"panel{i}"
-            sim_model = _attach_adapter(sim_model, slots[i], folder)
-    if shared:
-        policy_model = sim_model
-
-    def frozen_speaker(name, model, mtok, adapter=None):
-        return Frozen(model, mtok, adapter=adapter, temperature=temperature,
-                      max_new_tokens=args.max_new_tokens, name=name)
-
-    def served_speaker(name, spec):
-        try:
-            return ServedSpeaker.from_spec(spec, temperature=temperature,
-                                           max_new_tokens=args.max_new_tokens, name=name)
-        except ValueError as e:                # eval.py --panel reaches here unchecked
-            raise SystemExit(f"error: {e}") from None
-
-    frozen = (served_speaker("train-simulator", args.simulator) if served_sim else
-              frozen_speaker("train-simulator", sim_model, sim_tok))
-    panel = {"train-simulator": (frozen, "seen")}
-    for i, (path, kind) in enumerate(specs):
-        name = base = served_name(path) if is_spec(path) else (Path(path).name or path)
-        while name in panel:                   # names must be unique (they label episodes)
-            name = f"{base}-{len(panel)}"
-        if is_spec(path):                      # an OpenAI-compatible endpoint
-            member = served_speaker(name, path)
-        elif i in slots:
-            member = frozen_speaker(name, sim_model, sim_tok, slots[i])
-        elif path == sim_path:                 # the same base again: reuse it, adapters off
-            member = frozen_speaker(name, sim_model, sim_tok)
-        elif path == policy_path:
-            member = frozen_speaker(name, policy_model, tok)
-        else:
-            member = frozen_speaker(name, *load_model(path, **bits))
-        panel[name] = (member, kind)
-    policy = LMSpeaker(policy_model, tok, "agent", adapter="policy", temperature=temperature,
-                       max_new_tokens=args.max_new_tokens, name="policy")
-    return Models(policy_model, tok, sim_model, sim_tok, policy, [frozen], panel)
-
-
-# --------------------------------------------------------------------------- run state
-def restore_args(args) -> argparse.Namespace:
-    """On --resume the run's saved config.json is authoritative (a later --steps may
-    extend it); the command line only has to name the environment and the run."""
-    run_dir = Path(args.resume)
-    config_path = run_dir / "config.json"
-    if not config_path.exists():
-        raise SystemExit(f"--resume {run_dir}: no config.json there; pass a run directory "
-                         "written by train.py")
-    saved = read_json(config_path)
-    if "models" in saved:
-        raise SystemExit(f"{run_dir} is a toy run: resume it with `python train.py --resume {run_dir}`")
-    if args.env not in ("toy", saved.get("env")):    # "toy" is train.py's default: not given
-        raise SystemExit(f"{run_dir} is a --env {saved.get('env')} run; resume it with "
-                         f"`python train.py --env {saved.get('env')} --resume {run_dir}`")
-    merged = {**vars(args), **{k: v for k, v in FIXED_BEFORE.items() if v is not None},
-              **saved, "resume": str(run_dir)}   # a run saved before a setting was a flag: its value then
-    if args.steps is not None:
-        merged["steps"] = args.steps
-    if getattr(args, "device", None) is not None:    # where it runs now: the results do not depend on it
-        merged["device"] = args.device
-    return argparse.Namespace(**merged)
 
 
 def rank_streams(method) -> dict:
@@ -391,203 +151,6 @@ def panel_means(res: dict) -> dict:
     return rec
 
 
-def persona_bank(args, env) -> list[str] | None:
-    """The personas of `--method persona`: --personas FILE, else the environment's own bank."""
-    if args.method != "persona":
-        return None
-    if env.tasks_are_personas:
-        raise SystemExit(f"--method persona does not apply to {env.name}: each of its tasks is a user "
-                         "persona already (the paper marks Persona-Guided N/A on P4G)")
-    if args.personas:
-        path = Path(args.personas)
-        if not path.is_file():
-            raise SystemExit(f"--personas {path}: no such file (one persona per paragraph)")
-        personas = read_personas(path)
-    else:
-        personas = env.persona_bank("train") if hasattr(env, "persona_bank") else []
-    if not personas:
-        raise SystemExit(f"--method persona needs personas: {env.name} has no bank of its own; "
-                         "pass --personas FILE (one persona per paragraph)")
-    return personas
-
-
-# --------------------------------------------------------------------------- training
-def check_args(args, env):
-    """Every check that needs no model, so a mistake fails in seconds; makes paths absolute
-    (config.json must work from anywhere). Returns the personas of --method persona."""
-    if not args.policy:
-        raise SystemExit(f"--env {args.env} needs --policy MODEL (a Hugging Face name or local path)")
-    if args.method not in REAL_METHODS:
-        raise SystemExit(f"--method {args.method!r} is not available for real environments; choose one "
-                         f"of {', '.join(REAL_METHODS)}")
-    if args.method == "selfplay" and not getattr(env, "symmetric", False):
-        print(f"note: {env.name} is not symmetric; with --method selfplay the policy also plays the "
-              f"{env.partner_name} and learns from those turns with the opponent's reward, 1 - r",
-              file=sys.stderr)
-    if args.method == "population-selfplay" and not getattr(env, "symmetric", False):
-        print(f"note: {env.name} is not symmetric; with --method population-selfplay snapshots of the "
-              f"policy play the {env.partner_name} (the policy learns from its own turns only)",
-              file=sys.stderr)
-    if env.scripted_partner() is not None:
-        args.scripted_partner = env.partner_name        # config.json says who played the partner
-        if args.method != "single":
-            raise SystemExit(f"--env {env.name} plays its own scripted {env.partner_name}: only --method "
-                             f"single applies (the other methods change the simulator), not {args.method}")
-        for key in ("simulator", "panel"):
-            if getattr(args, key, None):
-                raise SystemExit(f"--env {env.name} plays its own scripted {env.partner_name}; "
-                                 f"--{key} does not apply")
-    personas = persona_bank(args, env)
-    check_served(args)
-    if getattr(args, "p4g_reward", None) == "expected":
-        served = [spec for spec in [args.simulator, *(p for p, _ in parse_panel(args.panel))] if is_spec(spec)]
-        if served:
-            raise SystemExit(f"--p4g-reward expected reads the persuadee's next-token probabilities, which a served "
-                             f"simulator does not give: {', '.join(served)}")
-    check_panel(args)
-    if args.method in TRAINS_SIMULATOR and getattr(args, "sim_reward", None) is None:
-        args.sim_reward = env.default_simulator_reward          # recorded in config.json
-    args.policy, args.simulator, args.data = resolve_path(args.policy), resolve_path(args.simulator), resolve_path(args.data)
-    args.personas = resolve_path(args.personas)
-    for key in ("repos", "subset", "test_subset"):          # cooperbench's paths
-        if getattr(args, key, None):
-            setattr(args, key, resolve_path(getattr(args, key)))
-    args.steps = args.steps if args.steps is not None else DEFAULT_STEPS
-    return personas
-
-
-def check_served(args):
-    """Served simulators (openai:MODEL@URL in --simulator / --panel) are read before any
-    model loads; a trained simulator cannot be a served one."""
-    for spec in [args.simulator, *(p for p, _ in parse_panel(args.panel))]:
-        if is_spec(spec):
-            try:
-                parse_spec(spec)
-            except ValueError as e:
-                raise SystemExit(f"error: {e}") from None
-    if is_spec(args.simulator) and args.method in TRAINS_SIMULATOR:
-        raise SystemExit(f"--method {args.method} trains the simulator, so --simulator must be a model it can "
-                         f"load, not the endpoint {args.simulator}")
-
-
-def check_panel(args):
-    """--method ensemble needs two training simulators or more; without an unseen panel
-    member the collapse monitor's divergence alarm has nothing held out to read (one line)."""
-    specs = parse_panel(args.panel)
-    if args.method == "ensemble" and not any(kind == "seen" for _, kind in specs):
-        raise SystemExit("--method ensemble trains against the training simulator and every seen --panel member, "
-                         "and --panel names none, so it would train like --method single: give one or more, e.g. "
-                         "--simulator A --panel B,C (members without 'unseen:' are seen; unseen:D stays held out)")
-    if not any(kind == "unseen" for _, kind in specs):
-        print("note: no unseen --panel member, so the collapse monitor's divergence alarm is off; turn it on "
-              "with --panel unseen:MODEL (a simulator the policy never trains against)", file=sys.stderr)
-
-
-def check_memory_args(args):
-    """--rollout-batch and --eval-temperature, checked before any model loads."""
-    if getattr(args, "rollout_batch", None) is not None and args.rollout_batch < 1:
-        raise SystemExit(f"--rollout-batch {args.rollout_batch}: give at least 1 episode")
-    temperature = getattr(args, "eval_temperature", None)
-    if temperature is not None and not 0 <= temperature < float("inf"):
-        raise SystemExit(f"--eval-temperature {temperature}: give 0 (greedy) or a positive number")
-
-
-def build_real_method(args, env, personas):
-    """Load the models (policy, simulator, panel) and assemble the method."""
-    seed = setting(args, "seed")
-    torch.manual_seed(seed)
-    random.seed(seed)
-    models = build_models(args, train_simulator=args.method in TRAINS_SIMULATOR, partner=env.scripted_partner())
-    frozen = models.frozen
-    if args.method == "ensemble":           # the seen panel members are the training ensemble
-        frozen = [p for p, kind in models.panel.values() if kind == "seen"]
-    # skip_zero_signal: a step whose groups all have equal rewards runs no update (DESIGN_NOTES)
-    # prefix_sharing: each group's shared prompt is encoded once in the update (minscope/prefix.py)
-    sharing = not getattr(args, "no_prefix_sharing", False)
-    ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=setting(args, "temperature"),
-                beta=setting(args, "kl"), skip_zero_signal=True, prefix_sharing=sharing)
-    method = build_method(args.method, models.policy, frozen, UpdateConfig(lr=args.lr, **ucfg),
-                          UpdateConfig(lr=args.sim_lr, **ucfg),
-                          sim_model=models.sim_model if args.method in TRAINS_SIMULATOR else None,
-                          sim_tokenizer=models.sim_tokenizer,
-                          sim_reward=getattr(args, "sim_reward", None) or env.default_simulator_reward,
-                          personas=personas, pool_draw=getattr(args, "pool_draw", None) or "uniform",
-                          vs_k=setting(args, "vs_k"), pool_size=setting(args, "pool_size"),
-                          pool_every=setting(args, "pool_every"), seed=seed)
-    if not getattr(args, "no_grad_checkpointing", False):   # the trained bases recompute activations
-        for model in _trained_models(models, method):
-            enable_checkpointing(model.get_base_model())
-    set_thinking(method, models, getattr(args, "thinking", False))
-    for speaker in speakers_of(method, models):     # ... and once in the rollout (rollout.share_prefixes)
-        speaker.share_prefix = sharing
-    return models, method
-
-
-def _trained_models(models, method) -> list:
-    """The models whose adapters are trained (each once, even when they share a base)."""
-    out = {id(models.policy_model): models.policy_model}
-    if method.trains_simulator:
-        out.setdefault(id(method.partner.model), method.partner.model)
-    return list(out.values())
-
-
-def speakers_of(method, models) -> list:
-    """Every LM speaker of a run: the policy, the training partner(s) and the panel, also
-    those inside a wrapper (Verbalized's `speaker`, an Ensemble's `members`)."""
-    found, todo = [], [models.policy, method.policy, method.partner, *models.frozen,
-                       *(s for s, _ in models.panel.values())]
-    while todo:
-        s = todo.pop()
-        if s is None or any(s is f for f in found):
-            continue
-        found.append(s)
-        todo += [getattr(s, "speaker", None), *getattr(s, "members", [])]
-    return [s for s in found if isinstance(s, LMSpeaker)]
-
-
-def set_thinking(method, models, on: bool) -> None:
-    """Let every party think (`--thinking`) or not (the default: enable_thinking=False for
-    templates that support it, e.g. Qwen3). The other party never sees the reasoning."""
-    for speaker in speakers_of(method, models):
-        speaker.thinking = on
-
-
-def models_thinking(models, on: bool) -> None:
-    """`set_thinking` for an evaluation (no method): the policy and the panel."""
-    for speaker in [models.policy, *(s for s, _ in models.panel.values())]:
-        if isinstance(speaker, LMSpeaker):
-            speaker.thinking = on
-
-
-def kv_bytes_per_token(model) -> int:
-    """Bytes of KV cache per token of one stream: 2 (K, V) x layers x KV heads x head dim x
-    the dtype's size."""
-    cfg = model.config
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    dtype = next(model.parameters()).dtype
-    size = 2 if dtype in (torch.bfloat16, torch.float16, torch.uint8) else 4   # 4-bit bases compute in bf16
-    return 2 * cfg.num_hidden_layers * heads * head_dim * size
-
-
-def default_rollout_batch(args, env, models) -> int:
-    """How many episodes to generate at once when --rollout-batch is not given.
-
-    CPU: CPU_ROLLOUT_BATCH. CUDA: what fits in half of the GPU memory free after loading
-    the models, at the KV cache of an episode's last turn: both parties' streams of up to
-    `max_turns * max_new_tokens + 1024` tokens (1024 for the system prompts and the other
-    side's turns' headers). At the Qwen3-1.7B shape (112 KiB per token) and P4G (10 turns of
-    128 tokens) that is 2 x 2,304 x 112 KiB = 0.5 GB per episode, so 16 free GB give 32
-    episodes at once. The rest of the free memory is left for the prefill's activations and
-    the logits; these figures are estimates, not measurements."""
-    if next(models.policy_model.parameters()).device.type != "cuda":
-        return CPU_ROLLOUT_BATCH
-    free, _ = torch.cuda.mem_get_info()
-    tokens = getattr(env, "max_turns", 10) * args.max_new_tokens + 1024
-    per_episode = 2 * tokens * kv_bytes_per_token(models.policy_model)
-    return max(1, int(0.5 * free // per_episode))
-
-
 def stream_stats(method, episodes) -> dict:
     """exact_stream_frac (share of episodes whose trained parties' streams are all exact)
     and the tokens the rollout fed ("prefilled") and sampled ("generated"), summed over
@@ -603,22 +166,11 @@ def stream_stats(method, episodes) -> dict:
     return out
 
 
-def eval_panel(panel: dict, temperature: float) -> dict:
-    """The panel with every LM simulator sampling at `temperature` (copies; 0 = greedy)."""
-    out = {}
-    for name, (speaker, kind) in panel.items():
-        if isinstance(speaker, (LMSpeaker, ServedSpeaker)):
-            speaker = copy.copy(speaker)
-            speaker.temperature = temperature
-        out[name] = (speaker, kind)
-    return out
-
-
-def evaluate_and_save(env, models, method, tasks, split, step, run_dir, best,
-                      temperature: float = 0.0, seed: int = 0) -> tuple[dict, dict]:
+def evaluate_and_save(env, models, method, tasks, split, step, run_dir,
+                      temperature: float = 0.0, seed: int = 0) -> dict:
     """Evaluate the policy on `tasks` against the panel (one episode each, policy and
     simulators at `temperature`: 0, greedy, as the paper evaluates; on random streams of its
-    own), save the adapters of this step; returns (eval record, best so far)."""
+    own), save the adapters of this step; returns the eval record."""
     t0 = time.perf_counter()
     with isolated_rng(eval_seed(seed, step)):   # evaluating does not change training's randomness
         res = evaluate_panel(env, models.policy, eval_panel(models.panel, temperature), tasks,
@@ -627,13 +179,18 @@ def evaluate_and_save(env, models, method, tasks, split, step, run_dir, best,
            "eval_temperature": temperature, "eval_s": time.perf_counter() - t0}
     if hasattr(env, "readings"):     # P4G's --p4g-reward expected: every reading, over the whole panel
         rec.update(env.readings([ep for v in res.values() for ep in v.get("episodes", [])]))
+    # one dialogue per panel member, for the report (report.html: the first and last evaluation)
+    rec["dialogues"] = [dialogue(env, v["episodes"][0], name) for name, v in res.items() if v.get("episodes")]
     save_adapter(models.policy_model, "policy", run_dir / f"policy-step{step}")
     if method.trains_simulator:
         save_adapter(method.partner.model, "simulator", run_dir / f"simulator-step{step}")
-    if not best or rec["panel_mean"] > best["panel_mean"]:
-        best = {"step": step, "panel_mean": rec["panel_mean"]}
-        write_text_atomic(run_dir / "best.json", json.dumps(best) + "\n")
-    return rec, best
+    return rec
+
+
+def dialogue(env, ep, who: str) -> dict:
+    """One sampled dialogue, as the report shows it."""
+    return {"with": who, "task": str(getattr(ep.task, "id", "?")), "reward": ep.reward,
+            "text": format_episode(ep, (env.agent_name, env.partner_name))}
 
 
 def reward_curve(records: list[dict]) -> list[str]:
@@ -701,47 +258,59 @@ def run_real(args):
     if log_path.exists():
         monitor.replay(read_jsonl(log_path, warn=lambda msg: None))
 
-    def write(rec):
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
+    def evaluate(step):                        # rank 0 alone evaluates (and saves the adapters)
+        if not main:
+            return None
+        with rollout_batch(chunk):
+            return evaluate_and_save(env, models, method, test_tasks[: args.groups], split, step, run_dir,
+                                     eval_temperature, setting(args, "seed"))
+
+    def keep_best(step, rec):
+        best = {"step": step, "panel_mean": rec["panel_mean"]}
+        write_text_atomic(run_dir / "best.json", json.dumps(best) + "\n")
+        return best
+
+    def train(step):
+        take_usage(served)                     # served_* metrics count this step's rollout only
+        t0 = time.time()
+        # Tasks drawn from a per-step seed: a resumed run draws what it would have drawn.
+        seed = step_seed(setting(args, "seed"), step)
+        batch = random.Random(seed).sample(train_tasks, min(args.groups, len(train_tasks)))
+        batch, first_group = distributed.shard(batch)     # the whole batch in one process
+        try:
+            with rollout_batch(chunk):   # each chunk of groups samples from a stream of (step, its first group)
+                metrics = train_step(method, env, batch, args.group_size, step, first_group, seed=seed)
+        except StreamError as e:
+            reason = models.policy.chat.probe() or "it renders a new turn differently from the history"
+            raise SystemExit(f"error: step {step}: {e}. The policy's chat template: {reason}. "
+                             "Use a model whose template keeps each turn's text as it was sampled "
+                             "(Qwen3, Llama 3.x, ChatML are supported)") from None
+        episodes = metrics.pop("_episodes")
+        seconds = time.time() - t0
+        rollout_s = episodes[0].info.get("rollout_s", 0.0)
+        metrics.update(kind="train", seconds=seconds, rollout_s=rollout_s, update_s=seconds - rollout_s,
+                       **stream_stats(method, episodes), **take_usage(served))
+        if hasattr(env, "step_metrics"):     # the environment's own means (CooperBench: per feature, per coder)
+            metrics.update(env.step_metrics(episodes))
+        metrics = distributed.merge_metrics(metrics)
+        if step % args.eval_every == 0 or step == args.steps - 1:    # a sample of what training played
+            ranked = sorted(episodes, key=lambda ep: ep.reward)
+            metrics["dialogues"] = [dialogue(env, ep, ep.partner_name or "simulator") for ep in (ranked[-1], ranked[0])]
+        return metrics
+
+    def save(step, best):
+        save_state(state_path, step, models, method, best)
+
     with (log_path.open("a") if main else open(os.devnull, "w")) as log:
-        bar = tqdm(range(start, args.steps + 1), desc=f"{args.env}/{args.method}", initial=start,
-                   total=args.steps + 1, disable=not main)
-        for step in bar:
-            if main and (step % args.eval_every == 0 or step == args.steps):
-                with rollout_batch(chunk):
-                    rec, best = evaluate_and_save(env, models, method, test_tasks[: args.groups], split, step,
-                                                  run_dir, best, eval_temperature, setting(args, "seed"))
-                log_with_alarms(monitor, rec, write, tqdm.write)
-            if step == args.steps:
-                break
-            take_usage(served)                     # served_* metrics count this step's rollout only
-            t0 = time.time()
-            # Tasks drawn from a per-step seed: a resumed run draws what it would have drawn.
-            seed = step_seed(setting(args, "seed"), step)
-            batch = random.Random(seed).sample(train_tasks, min(args.groups, len(train_tasks)))
-            batch, first_group = distributed.shard(batch)     # the whole batch in one process
-            try:
-                with rollout_batch(chunk):   # each chunk of groups samples from a stream of (step, its first group)
-                    metrics = train_step(method, env, batch, args.group_size, step, first_group, seed=seed)
-            except StreamError as e:
-                reason = models.policy.chat.probe() or "it renders a new turn differently from the history"
-                raise SystemExit(f"error: step {step}: {e}. The policy's chat template: {reason}. "
-                                 "Use a model whose template keeps each turn's text as it was sampled "
-                                 "(Qwen3, Llama 3.x, ChatML are supported)") from None
-            episodes = metrics.pop("_episodes")
-            seconds = time.time() - t0
-            rollout_s = episodes[0].info.get("rollout_s", 0.0)
-            metrics.update(kind="train", seconds=seconds, rollout_s=rollout_s, update_s=seconds - rollout_s,
-                           **stream_stats(method, episodes), **take_usage(served))
-            if hasattr(env, "step_metrics"):     # the environment's own means (CooperBench: per feature, per coder)
-                metrics.update(env.step_metrics(episodes))
-            metrics = distributed.merge_metrics(metrics)
-            log_with_alarms(monitor, metrics, write, tqdm.write)
-            bar.set_postfix(reward=f"{metrics['train_reward']:.3f}")
-            save_state(state_path, step, models, method, best)
+        def write(rec):
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        run_loop(args.steps, args.eval_every, train, evaluate, Log(write, monitor, tqdm.write), save, keep_best,
+                 score="panel_mean", start=start, best=best, desc=f"{args.env}/{args.method}", progress=main)
     if main:
         say("\n".join(reward_curve(read_jsonl(log_path, warn=lambda msg: None))))
+        say(f"report (training log, curves, dialogues): {write_real_report(run_dir, evaluate=False)} and "
+            f"report.html; `python eval.py {run_dir}` evaluates the policy on every test task")
     say(f"done: {run_dir}")
     distributed.cleanup()
     return run_dir

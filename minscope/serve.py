@@ -50,10 +50,10 @@ from pathlib import Path
 
 import torch
 
+from . import verbalized
 from .chat import chat_format, strip_reasoning
 from .rollout import eos_token_ids, sample
 from .serve_app import MAX_BODY_BYTES, MAX_MESSAGES, Job, RequestError, build_app
-from . import verbalized
 
 
 # --------------------------------------------------------------------------- loading
@@ -80,7 +80,7 @@ def load_target(target: str, adapter: str | None = None, step: str | None = None
     (policy | simulator | poolK) or a base model by name or path."""
     from .files import load_state, read_json
     from .models import load_adapter_state, load_model
-    from .runner import _attach_adapter, adapter_folder
+    from .real_models import _attach_adapter, adapter_folder
     from .served import is_spec
 
     run_dir = Path(target)

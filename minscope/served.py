@@ -33,6 +33,9 @@ by minscope.serve) from thinking, as minscope's own speakers do by default.
 
 `usage` counts requests, retries, the endpoint's token usage and latencies;
 `take_usage(speakers)` sums and resets it for metrics.jsonl (one record per step).
+
+One file, though long: the request, its retries and the usage counts are one client, read
+top to bottom like a small HTTP library.
 """
 
 from __future__ import annotations

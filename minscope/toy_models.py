@@ -29,6 +29,9 @@ settings' hash matches (any change to the settings or to the toy's texts changes
 and the models are trained as before). `python -m minscope.toy_models --rebuild` trains them
 anew from the default settings, checks them with the same fidelity gate a run applies, and
 replaces the shipped files only if they pass; `--check` applies the gate to the shipped ones.
+
+One file, though long: the tiny models' settings hash, their training data and the cache
+that stores them must change together (a new setting is a new hash).
 """
 
 from __future__ import annotations

@@ -60,6 +60,9 @@ and check that they use tensor-core MMAs and fit in shared memory.
 Under TRITON_INTERPRET=1 (CPU tests) the interpreter cannot multiply bfloat16 tiles (it
 stores them as raw uint16), so there the tiles are upcast to float32 before `tl.dot`.
 The products of two bf16 numbers are exact in fp32, so this does not change the maths.
+
+One file, though long: the kernels, their launch grid and the autograd function that calls
+them share tile sizes that must agree.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ Conventions the parser applies to a stated probability (see `parse_probability`)
   - p > 100, negative, NaN, inf, bool, missing, unreadable -> None (no usable probability)
 Negative values are treated as missing rather than as 0: a sign error says nothing about
 how likely the reply is, while 0 is a statement the model made.
+
+One file, though long: the prompt that asks for candidates, the lenient reader of the answers
+(`_LenientJSON`, tags) and the draw from them are one format, tested together
+(tests/test_verbalized.py; bench/fuzz_parsers.py fuzzes the reader).
 """
 
 from __future__ import annotations

@@ -225,6 +225,10 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
     assert "## Pool diversity" in md and "## Collapse monitor" in md
     assert (run_dir / "pool_diversity.png").stat().st_size > 1000
     assert "aligned" in json.loads((run_dir / "fidelity.json").read_text())
+    check_report_html(run_dir / "report.html", [report.label(m) for m, _ in cfg.arms()])
+    page = (run_dir / "report.html").read_text()
+    single = page.split("RL (Single), seed 0, step 4")[1].split("<h3>")[0]     # the last evaluation's dialogues
+    assert "with the real users" in single and "with its training simulator sim-a" in single
 
     # eval.py: every arm's final and best checkpoints re-evaluated, a section in the report
     import eval as eval_cli
@@ -236,6 +240,25 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
     assert "## Re-evaluation of saved checkpoints" in (run_dir / "report.md").read_text()
     with pytest.raises(SystemExit, match="--report-only"):
         eval_cli.main([str(run_dir), "--report-only", "--meter"])
+
+
+def check_report_html(path, labels):
+    """report.html parses, names every arm, and loads nothing from outside itself."""
+    from html.parser import HTMLParser
+
+    refs, text = [], []
+
+    class Page(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            refs.extend(v for k, v in attrs if k in ("src", "href") and v)
+
+        def handle_data(self, data):
+            text.append(data)
+    Page().feed(path.read_text())
+    assert refs and all(r.startswith("data:image/png;base64,") for r in refs)      # the plots, inlined
+    body = "".join(text)
+    assert all(label in body for label in labels)
+    assert "Dialogues" in body
 
 
 def test_atomic_writes_leave_the_old_file_when_interrupted(tmp_path, monkeypatch):

@@ -15,13 +15,13 @@ sign flipped it fell, 0.094 -> 0.031 (docs/REAL_MODELS.md, "A real model learns"
 import math
 
 import pytest
+from test_smollm2 import model_cache, smollm2_dir  # noqa: F401  (fixtures: the converted checkpoint)
 
 from minscope import learning
 from minscope.envs.numbers import Numbers
 from minscope.models import add_adapters, load_model
+from minscope.real_args import SAMPLING_TEMPERATURE
 from minscope.rollout import LMSpeaker
-from minscope.runner import SAMPLING_TEMPERATURE
-from test_smollm2 import model_cache, smollm2_dir  # noqa: F401  (fixtures: the converted checkpoint)
 
 STEPS = 4
 PER_TASK = 16            # 4 requests x 16 = 64 episodes in the evaluation batch

@@ -15,10 +15,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minscope.envs.base import Episode, Turn
-from minscope.envs.p4g import (PERSUADEE_PROMPT, P4GEnv, episode_donation, is_donation_ask, parse_donation,
-                               words_for_tokens)
-from minscope.envs.p4g_data import (DataError, P4GDataNotFound, clean_survey, load_p4g, persona_split,
-                                    render_persona)
+from minscope.envs.p4g import (
+    PERSUADEE_PROMPT,
+    P4GEnv,
+    episode_donation,
+    is_donation_ask,
+    parse_donation,
+    words_for_tokens,
+)
+from minscope.envs.p4g_data import (
+    DataError,
+    P4GDataNotFound,
+    clean_survey,
+    load_p4g,
+    persona_split,
+    render_persona,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "p4g"
 CSV = FIXTURES / "csv"
@@ -346,7 +358,7 @@ def test_the_word_limit_follows_the_turn_budget():
     assert words_for_tokens(24) == 10 and words_for_tokens(4) == 3
     import argparse
 
-    from minscope.runner import make_env
+    from minscope.real_args import make_env
 
     env = make_env(argparse.Namespace(env="p4g", data=str(CSV), max_turns=2, max_new_tokens=24))
     assert "under 10 words" in env.partner_messages(env.tasks("all")[0])[0]["content"]

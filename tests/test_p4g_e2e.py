@@ -21,10 +21,19 @@ import train as train_cli
 from minscope.envs.base import Episode
 from minscope.envs.p4g import P4GEnv
 from minscope.methods import METHODS
-from minscope.models import (CHATML_TEMPLATE, add_adapters, build_tiny_model, build_tokenizer,
-                             lora_parameters, load_model, save_adapter)
+from minscope.models import (
+    CHATML_TEMPLATE,
+    add_adapters,
+    build_tiny_model,
+    build_tokenizer,
+    load_model,
+    lora_parameters,
+    save_adapter,
+)
+from minscope.real_args import eval_tasks, parse_panel
+from minscope.real_models import build_models
 from minscope.real_report import evaluate_run, p4g_summary
-from minscope.runner import TIMING_KEYS, build_models, eval_tasks, parse_panel
+from minscope.runner import TIMING_KEYS
 
 P4G_CSV = Path(__file__).parent / "fixtures" / "p4g" / "csv"
 # oracle needs scripted real users (toy only); persona does not apply to P4G (its tasks are personas)
@@ -268,12 +277,12 @@ def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_alone(tmp_path
 
 
 def test_a_damaged_state_is_one_message_before_any_model_loads(tmp_path, single_run, monkeypatch):
-    import minscope.runner as runner
+    import minscope.real_models as real_models
 
     copy = tmp_path / "copy"
     shutil.copytree(single_run, copy)
     (copy / "state.pt").write_bytes((copy / "state.pt").read_bytes()[:100])
-    monkeypatch.setattr(runner, "build_models", lambda *a, **kw: pytest.fail("models loaded"))
+    monkeypatch.setattr(real_models, "build_models", lambda *a, **kw: pytest.fail("models loaded"))
     with pytest.raises(SystemExit, match="state.pt is damaged"):
         train_cli.main(["--resume", str(copy), "--steps", "2"])
 

@@ -6,21 +6,22 @@ the real template (tests/fixtures/templates), so train.py loads them as download
 """
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from test_chat_templates import Talk, make_tokenizer
 
 import train as train_cli
 from minscope.envs.base import Episode
 from minscope.envs.p4g import P4GEnv
 from minscope.models import add_adapters, build_tiny_model, enable_checkpointing
+from minscope.real_models import eval_panel
 from minscope.real_report import training_log
 from minscope.rollout import Stream, rollout, rollout_batch
-from minscope.runner import eval_panel
 from minscope.simulators import Frozen
 from minscope.trainer import UpdateConfig, grpo_update, make_optimizer
-from test_chat_templates import Talk, make_tokenizer
 
 P4G_CSV = Path(__file__).parent / "fixtures" / "p4g" / "csv"
 TINY = ["--groups", "2", "--group-size", "2", "--steps", "2", "--eval-every", "2", "--max-new-tokens", "6"]
@@ -71,6 +72,14 @@ def test_a_real_template_run_keeps_every_stream_exact_and_logs_phase_timings(tmp
     assert "policy and simulators greedy" in log and "| eval_s" not in log
     assert "Time per training step (mean over 2 steps): rollout " in log
     assert "Exact token streams: 1.00 of the episodes" in log
+    # the run wrote its report when it ended: the training log, the curves, and report.html with
+    # the dialogues it kept (the first and last evaluation and training step), nothing external
+    assert "## Training log" in (tmp_path / "run" / "report.md").read_text()
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert "data:image/png;base64," in page and not re.search(r'(src|href)="(?!data:)', page)
+    for caption in ("evaluation, step 0", "evaluation, step 2", "training, step 0", "training, step 1"):
+        assert caption in page
+    assert "with train-simulator, task" in page
 
 
 def test_a_template_that_rewrites_the_history_stops_the_run_with_a_clear_message(tmp_path, template_models):
@@ -84,7 +93,7 @@ def test_checkpointing_and_prefix_sharing_are_on_by_default_and_turning_them_off
     the rollout and the update: the same episodes and rewards, more prefilled ids. (Equal
     losses and gradients: tests/test_prefix.py; here the tiny model's updates are skipped.)
     --no-grad-checkpointing keeps the activations; it changes no episode either."""
-    from minscope import runner
+    from minscope import real_models, runner
 
     built, build = [], runner.build_real_method
     monkeypatch.setattr(runner, "build_real_method", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
@@ -98,8 +107,8 @@ def test_checkpointing_and_prefix_sharing_are_on_by_default_and_turning_them_off
     assert "gradient checkpointing off" in out and "shared prompts encoded once per episode" in out
     (models_on, method_on), (models_off, method_off) = built
     assert method_on.policy_cfg.prefix_sharing and not method_off.policy_cfg.prefix_sharing
-    assert all(s.share_prefix for s in runner.speakers_of(method_on, models_on))
-    assert not any(s.share_prefix for s in runner.speakers_of(method_off, models_off))
+    assert all(s.share_prefix for s in real_models.speakers_of(method_on, models_on))
+    assert not any(s.share_prefix for s in real_models.speakers_of(method_off, models_off))
     for a, b in zip(on, off, strict=True):
         assert a["train_reward"] == b["train_reward"] and a["tokens_generated"] == b["tokens_generated"]
         assert a["tokens_prefilled"] < b["tokens_prefilled"]
@@ -181,8 +190,8 @@ def test_thinking_reaches_every_party_of_a_run_and_of_its_evaluation():
     the panel render with thinking on; eval.py sets it as the run was trained."""
     from types import SimpleNamespace
 
+    from minscope.real_models import models_thinking, set_thinking
     from minscope.rollout import LMSpeaker
-    from minscope.runner import models_thinking, set_thinking
     from minscope.simulators import Ensemble, Verbalized
 
     tok = make_tokenizer("qwen3")
@@ -254,14 +263,14 @@ def test_real_run_settings_parse_with_their_defaults_and_refuse_what_does_not_ap
 def test_a_run_saved_before_the_settings_were_flags_resumes_with_the_values_it_ran_with(tmp_path):
     import argparse
 
-    from minscope import runner
+    from minscope import real_args
 
     (tmp_path / "config.json").write_text(json.dumps({"env": "p4g", "method": "single", "steps": 4, "lr": 1e-5}))
-    args = runner.restore_args(argparse.Namespace(resume=str(tmp_path), env="toy", steps=None, device=None,
-                                                  seed=None, kl=None))
+    args = real_args.restore_args(argparse.Namespace(resume=str(tmp_path), env="toy", steps=None, device=None,
+                                                     seed=None, kl=None))
     assert (args.seed, args.temperature, args.kl, args.lora_r, args.lora_alpha, args.pool_size, args.pool_every,
             args.vs_k, args.device) == (0, 0.7, 0.005, 8, 16, 5, 4, 5, "auto")
-    assert runner.setting(argparse.Namespace(), "temperature") == 0.7
+    assert real_args.setting(argparse.Namespace(), "temperature") == 0.7
 
 
 def test_real_models_run_on_cuda_then_mps_then_cpu_unless_told(monkeypatch):
@@ -309,17 +318,17 @@ def test_ensemble_needs_two_training_simulators_and_no_unseen_member_turns_the_d
 
 def test_a_real_run_uses_its_settings_the_monitor_reads_it_and_a_resume_keeps_both(tmp_path, template_models,
                                                                                      monkeypatch, capsys):
-    from minscope import monitor, runner
+    from minscope import monitor, real_models
 
     built = []
-    real_build = runner.build_method
+    real_build = real_models.build_method
 
     def spy(name, policy, frozen, policy_cfg, sim_cfg=None, **kw):
         built.append(dict({k: kw[k] for k in ("seed", "pool_size", "pool_every", "sim_reward", "vs_k")},
                           temperature=policy.temperature, beta=(policy_cfg.beta, sim_cfg.beta),
                           policy_temperature=policy_cfg.temperature))
         return real_build(name, policy, frozen, policy_cfg, sim_cfg, **kw)
-    monkeypatch.setattr(runner, "build_method", spy)
+    monkeypatch.setattr(real_models, "build_method", spy)
     settings = ["--seed", "3", "--temperature", "0.9", "--kl", "0.02", "--lora-r", "4", "--lora-alpha", "8",
                 "--pool-size", "2", "--pool-every", "1", "--sim-reward", "cooperative", "--steps", "1", "--eval-every", "1"]
     train(tmp_path, template_models["qwen3"], *settings)

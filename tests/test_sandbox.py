@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
+from test_cooperbench import NAME, SPEC, env_for, gold, make_task, need_bwrap
 
 from minscope import sandbox
 from minscope.envs import cooperbench as cb
 from minscope.envs import cooperbench_eval as ev
 from minscope.envs.base import Episode, Turn
 from minscope.toolcalls import ToolCall, format_tool_call
-from test_cooperbench import NAME, SPEC, env_for, gold, make_task, need_bwrap
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -149,7 +149,7 @@ def test_without_bwrap_the_env_refuses_unless_told_it_is_unsafe(toy, monkeypatch
         ev.evaluate_feature(toy[0], toy[1], 1, "", spec=SPEC)
     # train.py --env cooperbench: one line naming the flag; with --unsafe-no-sandbox it starts
     import train
-    from minscope.runner import make_env
+    from minscope.real_args import make_env
 
     argv = ["--env", "cooperbench", "--data", str(toy[0].parent.parent), "--repos", str(toy[1].parent),
             "--tasks", NAME]

@@ -11,19 +11,31 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from test_chat_templates import make_tokenizer
 
 import train as train_cli
 from minscope.chat import strip_reasoning
 from minscope.envs.base import Episode, Turn
 from minscope.envs.p4g import P4GEnv
 from minscope.files import load_state, save_atomic
-from minscope.models import add_adapters, adapter_state, build_tiny_model, load_model, save_adapter
+from minscope.models import (
+    adapter_state,
+    add_adapters,
+    build_tiny_model,
+    load_model,
+    save_adapter,
+)
+from minscope.real_models import _attach_adapter, adapter_folder
 from minscope.rollout import LMSpeaker
-from minscope.runner import _attach_adapter, adapter_folder
 from minscope.serve import Generator, Job, make_server
-from minscope.served import ServedError, ServedPersonaGuided, ServedSpeaker, parse_spec, take_usage
+from minscope.served import (
+    ServedError,
+    ServedPersonaGuided,
+    ServedSpeaker,
+    parse_spec,
+    take_usage,
+)
 from minscope.simulators import Ensemble, Verbalized
-from test_chat_templates import make_tokenizer
 
 P4G_CSV = Path(__file__).parent / "fixtures" / "p4g" / "csv"
 TINY = ["--groups", "1", "--group-size", "2", "--max-new-tokens", "3"]

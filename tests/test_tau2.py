@@ -87,7 +87,7 @@ def test_without_tau2_the_module_imports_and_the_error_names_the_install_command
 def test_train_py_max_turns_reaches_the_environment():
     # no skip: the README's test set-up installs tau2-bench, and a missing install should fail here
     import train as train_cli
-    from minscope.runner import make_env
+    from minscope.real_args import make_env
 
     for argv, turns in (([], 30), (["--max-turns", "6"], 6)):
         args = train_cli.parse_args(["--env", "tau2", "--domain", "mock", "--policy", "p", *argv])

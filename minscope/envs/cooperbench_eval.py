@@ -33,6 +33,9 @@ the tests on the base tree (runner.sh without a feature patch; the official `run
 calls an empty agent patch an error, which fails too); `pip install` is not run; the union
 merge's fallback is the one of the CooperBench version this was written against (44b4a7a;
 later versions dropped it).
+
+One file, though long: it mirrors the official evaluation (patch, merge, run the tests, read
+the verdict) step by step so that it can be compared with it side by side.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ Choices made here:
     rarely writes a tag still has a distribution there. A second question in other words
     ("asked": "I will give $") and the parsed reward are logged beside it, never trained
     on: a policy that games the training readout shows reward up and those flat.
+
+One file, though long: the prompts, the donation parser and the read reward all define what
+a pledge is, and they are tested as one (tests/test_p4g.py).
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ names the file, the line and the column where that applies. A file cut off at a 
 boundary cannot be told from a complete one, so the loader reports, with counts, the
 dialogues that lack their persuadee row or their messages (`P4GCorpus.warnings`, also
 printed to stderr): those dialogues give no task.
+
+One file, though long: each reader (CSV, XLSX, ConvoKit) ends in the same `P4GCorpus`
+checks, and its error messages name the file and line the same way.
 """
 
 from __future__ import annotations

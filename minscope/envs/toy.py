@@ -48,6 +48,10 @@ method better than Verbalized Sampling needs.
 Histories are tuples of utterance strings, agent first, alternating: a policy sees an
 even-length history (ending with a reply, or empty) and a reply distribution is asked for
 an odd-length one (ending with the agent's utterance).
+
+One file, though long: the world's tables, its exact values and the environment read the
+same reply rules (`World._reply_dist`), and splitting world from users would make a reader
+hold two files to check one probability.
 """
 
 from __future__ import annotations
