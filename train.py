@@ -377,7 +377,9 @@ def run_toy(args):
         if args.workers:
             over["workers"] = args.workers
         if args.world:
-            over["models"] = replace(cfg.models, world_name=args.world)
+            # (--quick keeps its small models, which fail the fidelity gate in any world, and says so)
+            over["models"] = (replace(cfg.models, world_name=args.world) if args.quick else
+                              cfg.models.for_world(args.world))
             if args.world != "suppression" and not args.name:
                 over["name"] = f"{cfg.name}-{args.world}"        # apart from the default world's runs
         for key in ("groups", "group_size", "eval_every"):

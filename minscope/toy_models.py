@@ -40,7 +40,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,16 @@ SIMULATORS = {
     "sim-f": ("unseen", {"persuade_rate": 0.5, "pressure_yes": 0.5}),
     "sim-a-vs": ("vs", {}),
 }
+
+
+# What a world needs on top of the default settings for its tiny simulators to pass the
+# fidelity gate, chosen on the models alone before any arm ran (docs/RESULTS.md). The
+# distortion world's exploit runs through histories that hold one persona's own cue phrasing
+# (each about 28% of that persona's probe replies), where the default world's runs through the
+# bland reply every persona gives, so sim-a sees each of them far less often: with the default
+# settings the upsell was worth 0.703 inside it (exact 0.988; the gate asks 0.790), with 3000
+# SFT steps 0.734, with 6000 transcripts and 3000 steps 0.859.
+WORLD_MODELS = {"distortion": {"transcripts": 6000, "sim_a_steps": 3000}}
 
 
 @dataclass
@@ -105,6 +115,11 @@ class ToyModelConfig:
             del fields["world_name"]
         fields["texts"] = texts_fingerprint()
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+
+    def for_world(self, name: str) -> "ToyModelConfig":
+        """These settings for world `name` (`python train.py --world NAME`), with what that
+        world's simulators need to pass the fidelity gate (`WORLD_MODELS`)."""
+        return replace(self, world_name=name, **WORLD_MODELS.get(name, {}))
 
     def policy_name(self) -> str:
         blind = f"-blind-{self.policy_blind}" if self.policy_blind else ""

@@ -343,6 +343,10 @@ def test_the_world_flag_reaches_the_config_the_models_and_the_reference_values(c
     assert (SHIPPED / f"toy-{ToyModelConfig().key()}").is_dir()
     assert ToyModelConfig(world_name="distortion").key() != ToyModelConfig().key()
     assert ToyConfig(models=ToyModelConfig(world_name="distortion")).world == "distortion"
+    # the distortion world's simulators train on more data (what its sim-a needs to pass the gate)
+    assert ToyModelConfig().for_world("suppression") == ToyModelConfig()
+    dis = ToyModelConfig().for_world("distortion")
+    assert (dis.world_name, dis.transcripts, dis.sim_a_steps) == ("distortion", 6000, 3000)
     assert ToyConfig().world == "suppression"
     ref = reference_values(8.0, "distortion")
     assert ref["best_adaptive"] == pytest.approx(0.650, abs=1e-3) and ref["exploit_sharpened"] > 0.98
