@@ -258,13 +258,11 @@ def main(argv=None):
     """python -m minscope.monitor RUN_DIR [--set KEY=VALUE ...] [--write]: the alarms of a run
     (each arm of a toy run; a real-model run's metrics.jsonl) under other thresholds (to choose
     them from a run's own curves); --write also replaces the alarm records in its logs and the
-    thresholds in its config.json (a resumed real run goes on with them)."""
+    thresholds in its config.json (a resumed real run goes on with them), once no process
+    trains in the run (its lock)."""
     import argparse
-    import json
-    from dataclasses import asdict, fields, replace
+    from dataclasses import fields
     from pathlib import Path
-
-    from .files import read_json, read_jsonl, write_text_atomic
 
     p = argparse.ArgumentParser(prog="python -m minscope.monitor", description=main.__doc__)
     p.add_argument("run_dir", type=Path)
@@ -275,6 +273,32 @@ def main(argv=None):
                    help="thresholds from this run: one 0.05 step past the furthest reading of every arm that "
                         "ends above the untrained policy (derive_thresholds); then --set, and the alarms under them")
     args = p.parse_args(argv)
+    lock = None
+    if args.write:
+        # a trainer appends to the logs through a handle it keeps open: rewriting them under it
+        # would send its later records to a deleted file, so --write waits for the run to stop
+        # (the lock also keeps a trainer from starting while the files are rewritten)
+        from .files import RunFileError, RunLock, read_json
+
+        if not (args.run_dir / "config.json").is_file():
+            read_json(args.run_dir / "config.json")          # the usual message, before any lock file
+        try:
+            lock = RunLock(args.run_dir).acquire()
+        except RunFileError as e:
+            raise RunFileError(f"--write: {e}; the alarms can be read without --write meanwhile") from None
+    try:
+        _main(p, args)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _main(p, args):
+    import json
+    from dataclasses import asdict, fields, replace
+
+    from .files import read_json, read_jsonl, write_text_atomic
+
     config = read_json(args.run_dir / "config.json")
     cfg = MonitorConfig(**(config.get("monitor") or {}))
     logs = sorted((args.run_dir / "arms").glob("*.jsonl"))
