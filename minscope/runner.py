@@ -223,6 +223,12 @@ def run_real(args):
     if not args.resume and (run_dir / "state.pt").exists():
         raise SystemExit(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
                          "or pick another --name")
+    if not args.resume and run_dir.is_dir() and any(run_dir.iterdir()):
+        # a new run never writes into a used folder (a toy run keeps its state in arms/, and an
+        # interrupted real run may not have saved state.pt yet)
+        what = "a toy run" if (run_dir / "arms").exists() else "files of another run"
+        raise SystemExit(f"{run_dir} already exists and holds {what}: pick another --name"
+                         + ("" if what == "a toy run" else f", or continue it with --resume {run_dir}"))
     if main:                                   # under torchrun rank 0 alone writes the run folder
         run_dir.mkdir(parents=True, exist_ok=True)
         RunLock(run_dir).acquire()             # one process (job) per run folder; released at exit

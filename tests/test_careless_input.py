@@ -69,3 +69,19 @@ def test_monitor_write_on_a_live_run_is_refused_and_no_record_is_lost(tmp_path):
     assert [r["kind"] for r in records(run / "metrics.jsonl")] == ["train", "alarm", "train"]
     assert json.loads((run / "config.json").read_text())["monitor"]["zero_var"] == 0.5
     assert not (run / "lock").exists()
+
+
+# --------------------------------------------------------------------------- a real run named like a toy one
+def test_a_real_run_named_like_an_existing_toy_run_is_refused_before_anything_is_written(tmp_path):
+    # before: run_real refused only a folder with state.pt, so it rewrote the toy's config.json
+    import train as train_cli
+
+    toy = tmp_path / "toy"
+    (toy / "arms").mkdir(parents=True)
+    (toy / "config.json").write_text(json.dumps({"name": "toy", "models": {}, "methods": ["single"]}))
+    before = {p: p.read_bytes() for p in toy.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit) as e:
+        train_cli.main(["--env", "numbers", "--policy", str(tmp_path / "no-model"), "--runs-dir", str(tmp_path),
+                        "--name", "toy", "--steps", "1"])
+    assert "already exists and holds a toy run: pick another --name" in str(e.value.code)
+    assert {p: p.read_bytes() for p in toy.rglob("*") if p.is_file()} == before
