@@ -71,6 +71,14 @@ class Models:
     panel: dict                   # name -> (speaker, "seen" | "unseen")
 
 
+def check_lora_rank(model, r: int) -> None:
+    """A LoRA rank above the model's width adds parameters and nothing else (and a huge one
+    would try to allocate them): one line instead."""
+    width = getattr(getattr(model, "config", None), "hidden_size", None)
+    if width is not None and r > width:
+        raise SystemExit(f"--lora-r {r}: above the model's hidden size ({width}); give at most {width}")
+
+
 def build_models(args, train_simulator: bool = False, panel_spec: str | None = None,
                  partner=None) -> Models:
     """Load the policy, the simulator and the panel named by train.py's `args`.
@@ -83,9 +91,11 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
     """
     bits = dict(load_in_4bit=args.load_in_4bit, device=pick_device(setting(args, "device")))
     temperature = setting(args, "temperature")
+    lora = dict(r=setting(args, "lora_r"), alpha=setting(args, "lora_alpha"))   # every trained adapter's
     if partner is not None:
         policy_model, tok = load_model(resolve_path(args.policy), **bits)
-        policy_model = add_adapters(policy_model, ["policy"])
+        check_lora_rank(policy_model, lora["r"])
+        policy_model = add_adapters(policy_model, ["policy"], **lora)
         policy = LMSpeaker(policy_model, tok, "agent", adapter="policy", temperature=temperature,
                            max_new_tokens=args.max_new_tokens, name="policy")
         return Models(policy_model, tok, None, None, policy, [partner], {partner.name: (partner, "seen")})
@@ -99,10 +109,10 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
     shared = not sim_path or sim_path == policy_path
     sim_model, sim_tok = (policy_model, tok) if shared else load_model(sim_path, **bits)
     sim_path = sim_path or policy_path
+    check_lora_rank(policy_model, lora["r"])
 
     # Decide every adapter before creating any speaker: wrapping a model in peft changes
     # which object has to be called (the raw base would then run the active adapter).
-    lora = dict(r=setting(args, "lora_r"), alpha=setting(args, "lora_alpha"))
     policy_model = add_adapters(policy_model, ["policy"] + (["simulator"] if shared and train_simulator else []), **lora)
     if shared:
         sim_model = policy_model

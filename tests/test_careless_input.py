@@ -85,3 +85,38 @@ def test_a_real_run_named_like_an_existing_toy_run_is_refused_before_anything_is
                         "--name", "toy", "--steps", "1"])
     assert "already exists and holds a toy run: pick another --name" in str(e.value.code)
     assert {p: p.read_bytes() for p in toy.rglob("*") if p.is_file()} == before
+
+
+# --------------------------------------------------------------------------- LoRA settings with a scripted partner
+def scripted_args(**over):
+    import argparse
+
+    return argparse.Namespace(**{**dict(policy="tiny", load_in_4bit=False, device="cpu", temperature=0.7,
+                                        max_new_tokens=4, lora_r=4, lora_alpha=7), **over})
+
+
+@pytest.fixture
+def tiny_loader(monkeypatch, tokenizer):
+    from minscope import real_models
+    from minscope.models import build_tiny_model
+
+    monkeypatch.setattr(real_models, "load_model", lambda path, **kw: (build_tiny_model(
+        tokenizer, "llama", hidden_size=32, num_layers=1), tokenizer))
+    return real_models
+
+
+def test_lora_settings_reach_the_policy_adapter_with_a_scripted_partner(tiny_loader):
+    # before: --env numbers|wordgame built the policy adapter with r = 8, alpha = 16 whatever was asked
+    from minscope.envs.numbers import Numbers
+
+    models = tiny_loader.build_models(scripted_args(), partner=Numbers().scripted_partner())
+    config = models.policy_model.peft_config["policy"]
+    assert (config.r, config.lora_alpha) == (4, 7)
+
+
+def test_a_lora_rank_above_the_model_width_is_one_line(tiny_loader):
+    # before: a rank of 10**9 was accepted (and ignored, or allocated, depending on the environment)
+    from minscope.envs.numbers import Numbers
+
+    with pytest.raises(SystemExit, match=r"--lora-r 1000000000: above the model's hidden size \(32\)"):
+        tiny_loader.build_models(scripted_args(lora_r=10**9), partner=Numbers().scripted_partner())
