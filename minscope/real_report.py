@@ -42,7 +42,7 @@ from .files import read_json, read_jsonl
 from .models import load_adapter
 from .real_args import eval_tasks, make_env
 from .real_models import build_models, models_thinking
-from .report_html import write_html
+from .report_html import write_html, write_report_file
 
 SUCCESS = 1.0 - 1e-6           # tau2 rewards are products of 0/1 evaluator scores
 # (label, lo, hi): lo <= donation < hi, so every amount (99.5 cents too) lands in one bin
@@ -478,12 +478,11 @@ def write_real_report(run_dir, evaluate: bool = True, transcripts_per_member: in
     if result is not None:
         summary = {k: v for k, v in result.items() if k not in ("members", "config", "names")}
         summary["members"] = {k: {"kind": m["kind"], **m["summary"]} for k, m in result["members"].items()}
-        (run_dir / "eval.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_report_file(run_dir / "eval.json", json.dumps(summary, indent=2) + "\n")
     md = render_report(run_dir, result, transcripts_per_member)
     curves = training_curves(run_dir)
     if curves:
         md += f"\n![{curves}]({curves})\n"
-    path = run_dir / "report.md"
-    path.write_text(md)
+    path = write_report_file(run_dir / "report.md", md)
     write_html(run_dir, f"minscope: {run_dir.name}", md, logged_dialogues(run_dir))
     return path

@@ -28,7 +28,7 @@ import numpy as np
 
 from .files import read_json, read_jsonl
 from .monitor import first_alarms
-from .report_html import write_html
+from .report_html import write_html, write_report_file
 from .seedstats import paired, t_interval
 
 LABELS = {"base": "Base (untrained)", "single": "RL (Single)", "vs": "Verbalized Sampling",
@@ -517,7 +517,7 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
     run_dir = Path(run_dir)
     records = read_jsonl(run_dir / "metrics.jsonl")   # a damaged log: one message naming it
     results = summarize(records, reference)
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+    write_report_file(run_dir / "results.json", json.dumps(results, indent=2))
     images = plots(records, run_dir)
     ref = results["reference"]
     lines = [f"# minscope toy experiment: `{run_dir.name}`", "",
@@ -594,7 +594,7 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
             lines.append(f"**{label(method)}**")
             lines += ["```"] + [f"[{d['with']}, {d['persona']}, reward {d['reward']:.2f}]\n{d['text']}"
                                 for d in eval_dialogues(last)] + ["```"]
-    (run_dir / "report.md").write_text("\n".join(lines) + "\n")
+    write_report_file(run_dir / "report.md", "\n".join(lines) + "\n")
     write_html(run_dir, f"minscope toy experiment: {run_dir.name}", "\n".join(lines), toy_dialogues(records))
     return results
 

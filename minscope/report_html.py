@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import html
+import os
 import re
 from pathlib import Path
 
@@ -20,6 +21,26 @@ table{border-collapse:collapse;margin:.5rem 0}td,th{border:1px solid #ccc;paddin
 pre{background:#f6f6f6;padding:.6rem;overflow-x:auto;white-space:pre-wrap}img{max-width:100%}
 .pair{display:grid;grid-template-columns:repeat(auto-fit,minmax(22rem,1fr));gap:1rem}
 .caption{font-weight:600;margin:.4rem 0 .1rem}"""
+
+
+def valid_text(text: str) -> str:
+    """`text` as valid Unicode: a lone UTF-16 surrogate (a logged "\\ud800", a served model's
+    reply) becomes U+FFFD; a surrogate pair becomes the character it stands for."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def write_report_file(path, text: str) -> Path:
+    """Write a report file (report.md, report.html, results.json, ...) as UTF-8, whatever str
+    it is given, and atomically: a failure leaves the previous file whole, never a partial one."""
+    path = Path(path)
+    data = valid_text(text).encode("utf-8")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def _inline(text: str) -> str:
@@ -93,6 +114,4 @@ def write_html(run_dir, title: str, md: str, dialogues=()) -> Path:
     page = (f"<!doctype html>\n<html><head><meta charset=utf-8><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body>\n{markdown_html(md, run_dir)}\n{dialogues_html(dialogues)}\n"
             "</body></html>\n")
-    path = run_dir / "report.html"
-    path.write_text(page, encoding="utf-8")
-    return path
+    return write_report_file(run_dir / "report.html", page)

@@ -307,6 +307,11 @@ def _completion(obj) -> tuple[str, tuple[int, int], str | None]:
     text = message.get("content")
     if text is not None and not isinstance(text, str):
         return *bad, f"choices[0].message.content is {_kind(text)}, not a string"
+    if text is not None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:             # as the server refuses such a message
+            return *bad, "choices[0].message.content is not valid Unicode (a lone UTF-16 surrogate, such as \\ud800)"
     usage = obj.get("usage")
     if usage is None:
         usage = {}

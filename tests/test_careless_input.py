@@ -120,3 +120,66 @@ def test_a_lora_rank_above_the_model_width_is_one_line(tiny_loader):
 
     with pytest.raises(SystemExit, match=r"--lora-r 1000000000: above the model's hidden size \(32\)"):
         tiny_loader.build_models(scripted_args(lora_r=10**9), partner=Numbers().scripted_partner())
+
+
+# --------------------------------------------------------------------------- reports: any text, written whole
+def test_report_only_with_a_lone_surrogate_in_the_log_writes_a_whole_report(tmp_path):
+    # before: UnicodeEncodeError, and report.html left at 0 bytes
+    import eval as eval_cli
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"env": "numbers", "method": "single", "steps": 1, "policy": "x"}))
+    dialogue = {"with": "asker", "task": "7", "reward": 0.0, "text": "say \ud800 a number"}
+    recs = [{"kind": "train", "step": 0, "train_reward": 0.5, "dialogues": [dialogue]},
+            {"kind": "eval", "step": 0, "panel_mean": 0.5, "asker": 0.5, "dialogues": [dialogue]}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    eval_cli.main([str(run), "--report-only"])
+    page = (run / "report.html").read_bytes().decode("utf-8")          # strict: valid UTF-8
+    assert page.endswith("</body></html>\n") and "say \ufffd a number" in page
+    (run / "report.md").read_bytes().decode("utf-8")
+
+
+def _any_text():
+    from hypothesis import strategies as st
+
+    char = st.one_of(st.characters(), st.integers(0xD800, 0xDFFF).map(chr), st.sampled_from("`|#![]()\n*<>&"))
+    return st.lists(char, max_size=40).map("".join)
+
+
+def test_any_text_makes_a_whole_valid_utf8_report_html(tmp_path):
+    """bench/fuzz_parsers.py's idea for the report writer: any str (lone surrogates, markdown
+    and HTML syntax included) in the title, the markdown and the dialogues gives a complete
+    page that decodes as UTF-8, and no temporary file is left beside it."""
+    from hypothesis import HealthCheck, given, settings
+
+    from minscope.report_html import write_html
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(title=_any_text(), md=_any_text(), heading=_any_text(), caption=_any_text(), text=_any_text())
+    def check(title, md, heading, caption, text):
+        path = write_html(tmp_path, title, md, [(heading, [(caption, text)])])
+        page = path.read_bytes().decode("utf-8")
+        assert page.startswith("<!doctype html>") and page.endswith("</body></html>\n")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
+    check()
+
+
+def test_a_report_write_that_fails_midway_keeps_the_previous_report(tmp_path, monkeypatch):
+    # before: report.html was written in place, so a failure (here: a full disk after half the
+    # page) left a partial page
+    from minscope.report_html import write_html
+
+    write_html(tmp_path, "old", "# the previous report")
+    old = (tmp_path / "report.html").read_bytes()
+
+    def disk_full(self, data, *a, **kw):
+        with open(self, "wb") as f:
+            f.write((data.encode() if isinstance(data, str) else data)[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Path, "write_bytes", disk_full)
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(OSError):
+        write_html(tmp_path, "new", "# the new report\n" + "text\n" * 100)
+    assert (tmp_path / "report.html").read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]

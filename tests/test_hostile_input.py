@@ -180,6 +180,7 @@ def reply(content, **extra):
     ([1, 2, 3], "no choices"),
     (b"[" * 200_000 + b"]" * 200_000, "not JSON"),          # deeper than Python recurses
     (b"\xff\xfe not json", "not JSON"),
+    (reply("a\ud800b"), "choices[0].message.content is not valid Unicode (a lone UTF-16 surrogate"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_a_malformed_reply_is_one_clean_stop_naming_the_endpoint(canned, body, why):
     """Before: TypeError for a number, boolean or malformed usage, RecursionError for a deep
