@@ -21,7 +21,9 @@ during the suffix forward (it returns cat(prefix, new) and keeps nothing), so ac
 checkpointing can replay a layer and see the same thing: the layers are told they may keep
 their cache under checkpointing while it runs (`_can_checkpoint_with_cache`), which is only
 right because this cache is read-only; in the prefix forward it records each layer's K, V
-the first time only (a replay records nothing).
+the first time only (a replay records nothing). The prefix and the suffix use two cache
+objects, so that the backward's replay of a prefix layer, which runs after the suffix
+forward has begun serving, finds its own cache still recording.
 
 `plan` cuts a batch into units: runs of at most `micro_batch` consecutive rows with a
 shared prefix of at least `min_prefix` ids, and plain micro-batches of the rest.
@@ -115,10 +117,14 @@ def hidden_states(model, input_ids, attention_mask, prefix: int = 0) -> torch.Te
     kw = _cache_kw(body)
     b, T = input_ids.shape
     device = input_ids.device
-    kv = PrefixKV()
+    recorder = PrefixKV()
     with _cache_kept_under_checkpointing(body):
         body(input_ids=input_ids[:1, :prefix], attention_mask=torch.ones((1, prefix), dtype=torch.long, device=device),
-             position_ids=torch.arange(prefix, device=device)[None], use_cache=True, **{kw: kv})
+             position_ids=torch.arange(prefix, device=device)[None], use_cache=True, **{kw: recorder})
+        # the suffix gets a cache of its own: the backward replays the prefix's checkpointed
+        # layers with `recorder`, which must still be recording then (not serving 2P keys)
+        kv = PrefixKV()
+        kv.keys, kv.values = recorder.keys, recorder.values
         kv.serve(b, prefix)
         S = T - prefix
         real = attention_mask[:, prefix:].bool()                                    # [b, S]

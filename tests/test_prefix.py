@@ -246,3 +246,22 @@ def test_train_step_logs_a_skipped_update_and_its_reason(tokenizer):
             assert metrics["compute"]["policy_backprop"] == metrics["compute"]["ref_forward"] == 0
         else:
             assert "skip_reason" not in metrics and metrics["policy_entropy"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_shared_prefix_update_under_checkpointing_with_eager_attention_equals_the_plain_one(tokenizer, arch):
+    """The backward replays the prefix's checkpointed layers after the suffix forward began:
+    with one cache for both, the replay was served the prefix's own keys again (2P keys for
+    P queries), which sdpa's trimming hid and eager attention refused with a size mismatch."""
+    torch.manual_seed(0)
+    base = build_tiny_model(tokenizer, arch, hidden_size=32, num_layers=2, attention="eager")
+    assert prefix.supported(base)
+    episodes = grouped_episodes(len(tokenizer), groups=2, group_size=3)
+    adv = torch.linspace(-1.0, 1.0, len(episodes))
+    plain, g0 = run_update(base, episodes, adv, sharing=False)
+    shared, g1 = run_update(base, episodes, adv, sharing=True, checkpointing=True)
+    assert shared["tokens_forward"] < plain["tokens_forward"]
+    assert shared["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-7)
+    assert len(g0) == len(g1) > 0
+    for a, b in zip(g0, g1):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), (a - b).abs().max()
