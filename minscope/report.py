@@ -418,7 +418,7 @@ def paired_md(results) -> list[str]:
         cells = []
         for x in (d, sel):
             cells += [mean_ci(x.get("mean"), [x.get("lo"), x.get("hi")]) if x else "–",
-                      f"{x['wins']}/{x['n']}" if x else "–", VERDICT[x.get("verdict")] if x else "–"]
+                      f"{x['wins']}/{x['n']}" if x else "–", VERDICT.get(x.get("verdict"), x.get("verdict")) if x else "–"]
         lines.append(f"| {label(d['method'])} | {label(d['against'])} | " + " | ".join(cells) + " |")
     return lines + [""]
 

@@ -72,17 +72,23 @@ def t_interval(values, level: float = 0.95) -> dict:
 def paired(a: dict, b: dict, level: float = 0.95) -> dict:
     """A - B over the seeds both have (a, b: seed -> value): the mean paired difference with
     its t-interval, the seeds used, how many favour A, and the verdict of the rule:
-    "above" (interval above 0), "below" (under 0) or "tie" (it contains 0)."""
+    "above" (interval above 0), "below" (under 0) or "tie" (it contains 0); with a NaN or
+    infinite value, "undefined (seed N is not finite)" (NaN compares false, so it would
+    otherwise read as a tie)."""
     seeds = sorted(set(a) & set(b), key=lambda s: (str(type(s)), s))
-    diffs = [a[s] - b[s] for s in seeds if a[s] is not None and b[s] is not None]
+    used = [s for s in seeds if a[s] is not None and b[s] is not None]
+    diffs = [a[s] - b[s] for s in used]
     out = t_interval(diffs, level)
     out["seeds"] = seeds
     out["wins"] = int(sum(d > 0 for d in diffs))
-    out["verdict"] = verdict(out)
+    bad = [s for s in used if not (math.isfinite(a[s]) and math.isfinite(b[s]))]
+    out["verdict"] = f"undefined (seed {bad[0]} is not finite)" if bad else verdict(out)
     return out
 
 
 def verdict(ci: dict) -> str | None:
     if ci.get("lo") is None:
         return None
+    if not (math.isfinite(ci["lo"]) and math.isfinite(ci["hi"])):
+        return "undefined (not finite)"
     return "above" if ci["lo"] > 0 else "below" if ci["hi"] < 0 else "tie"

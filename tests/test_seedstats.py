@@ -2,12 +2,17 @@
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from minscope import report
 from minscope.envs.toy import INVALID, act_entropy
 from minscope.seedstats import paired, t_cdf, t_interval, t_quantile
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("df,q", [(1, 12.706205), (2, 4.302653), (3, 3.182446), (5, 2.570582),
@@ -111,3 +116,22 @@ def test_the_seed_table_pools_run_folders_and_leaves_out_unfinished_arms(tmp_pat
     assert "| Verbalized Sampling | RL (Single) | 0.315 (" in out and "| 2/2 |" in out   # seeds 1, 2 only
     with pytest.raises(SystemExit, match="both"):
         report.main(["--seed-table", a, a])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_seed_that_is_not_finite_makes_the_verdict_undefined_not_a_tie(bad):
+    # before: NaN comparisons are false, so the interval (NaN, NaN) read as "tie"
+    d = paired({0: 0.4, 1: bad, 2: 0.5}, {0: 0.2, 1: 0.2, 2: 0.1})
+    assert d["verdict"] == "undefined (seed 1 is not finite)"
+    assert paired({0: 0.4, 1: 0.6, 2: 0.5}, {0: 0.2, 1: 0.1, 2: bad})["verdict"] == "undefined (seed 2 is not finite)"
+
+
+def test_seed_intervals_prints_undefined_for_a_seed_that_is_not_finite(tmp_path):
+    table = tmp_path / "t.md"
+    table.write_text("## Runs\n\n| method | per seed |\n|---|---|\n| Base | .2 .2 .2 |\n| RL (Single) | .1 .2 .3 |\n"
+                     "| Ensemble | .4 nan .5 |\n")
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "seed_intervals.py"), str(table), "## Runs"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "| Ensemble | RL (Single) |" in run.stdout and "| undefined (seed 1 is not finite) |" in run.stdout
+    assert "| tie |" not in run.stdout.split("| Ensemble | RL (Single) |")[1].splitlines()[0]
