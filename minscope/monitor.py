@@ -43,7 +43,7 @@ collapsing arm from a healthy one, and the divergence alarms carry the monitor.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -60,6 +60,38 @@ class MonitorConfig:
     entropy_frac: float = 0.1     # alarm below this fraction of the starting entropy
     zero_var: float = 0.7         # alarm above this share of zero-variance groups
     mode_prob: float = 1.0        # alarm above this simulator mode probability (1.0: never)
+
+
+def threshold_problem(key: str, value) -> str | None:
+    """What is wrong with `value` for the threshold `key` (None: nothing). Whole numbers for
+    the windows (a divergence window of two evaluations or more, a step window of one or
+    more), finite numbers for the rest: NaN compares false and would silence an alarm."""
+    import math
+
+    kind = type(getattr(MonitorConfig, key))
+    if kind is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"{key} takes a whole number, not {value!r}"
+        least = 2 if key == "window" else 1
+        return f"{key} must be {least} or more, not {value}" if value < least else None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return f"{key} takes a number, not {value!r}"
+    return None if math.isfinite(value) else f"{key} must be a finite number, not {value}"
+
+
+def config_thresholds(config: dict, where) -> MonitorConfig:
+    """The thresholds of a run's config.json ("monitor"), or RunFileError naming the file."""
+    from .files import RunFileError
+
+    saved = config.get("monitor") or {}
+    if not isinstance(saved, dict):
+        raise RunFileError(f"{where} is damaged: \"monitor\" is not an object of thresholds")
+    names = {f.name for f in fields(MonitorConfig)}
+    for key, value in saved.items():
+        why = f"unknown threshold {key!r}" if key not in names else threshold_problem(key, value)
+        if why:
+            raise RunFileError(f"{where} is damaged: \"monitor\": {why}")
+    return MonitorConfig(**saved)
 
 
 class CollapseMonitor:
@@ -300,7 +332,7 @@ def _main(p, args):
     from .files import read_json, read_jsonl, write_text_atomic
 
     config = read_json(args.run_dir / "config.json")
-    cfg = MonitorConfig(**(config.get("monitor") or {}))
+    cfg = config_thresholds(config, args.run_dir / "config.json")
     logs = sorted((args.run_dir / "arms").glob("*.jsonl"))
     real = not logs and "models" not in config         # a real-model run (train.py --env p4g|tau2|...)
     keys = dict(panel_key="unseen", real_key=None) if real else {}   # as runner.run_real watches it
@@ -325,7 +357,14 @@ def _main(p, args):
         key, _, value = item.partition("=")
         if key not in {f.name for f in fields(MonitorConfig)}:
             p.error(f"--set {item}: unknown threshold {key!r}")
-        cfg = replace(cfg, **{key: type(getattr(cfg, key))(value)})
+        kind = type(getattr(MonitorConfig, key))
+        try:
+            number = kind(value)
+        except ValueError:
+            p.error(f"--set {item}: {key} takes {'a whole number' if kind is int else 'a number'}, not {value!r}")
+        if why := threshold_problem(key, number):
+            p.error(f"--set {item}: {why}")
+        cfg = replace(cfg, **{key: number})
     print(f"thresholds: {cfg}\n{'run' if real else 'arm':28s} first step of each signal")
     if real and not any(r.get("kind") == "eval" and r.get("unseen") is not None for r in read_jsonl(logs[0])):
         print("(no unseen panel member: the divergence alarm cannot fire; train with --panel unseen:MODEL)")

@@ -42,7 +42,7 @@ from .files import read_json, read_jsonl
 from .models import load_adapter
 from .real_args import eval_tasks, make_env
 from .real_models import build_models, models_thinking
-from .report_html import write_html, write_report_file
+from .report_html import code_fence, write_html, write_report_file
 
 SUCCESS = 1.0 - 1e-6           # tau2 rewards are products of 0/1 evaluator scores
 # (label, lo, hi): lo <= donation < hi, so every amount (99.5 cents too) lands in one bin
@@ -386,7 +386,7 @@ def transcripts(members: dict, names, n: int) -> list[str]:
             task = getattr(ep.task, "id", "?")
             extra = f", donation ${ep.info['donation']:.2f}" if "donation" in ep.info else ""
             body = format_episode(ep, names)
-            fence = "````" if "```" in body else "```"
+            fence = code_fence(body)
             out += [f"### {member}: {which} (task {task}, reward {ep.reward:.3f}{extra})", "",
                     fence + "text", body, fence, ""]
     return out

@@ -28,7 +28,7 @@ import numpy as np
 
 from .files import read_json, read_jsonl
 from .monitor import first_alarms
-from .report_html import write_html, write_report_file
+from .report_html import code_fence, write_html, write_report_file
 from .seedstats import paired, t_interval
 
 LABELS = {"base": "Base (untrained)", "single": "RL (Single)", "vs": "Verbalized Sampling",
@@ -592,8 +592,10 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
         if first["eval"]:
             last = first["eval"][-1]
             lines.append(f"**{label(method)}**")
-            lines += ["```"] + [f"[{d['with']}, {d['persona']}, reward {d['reward']:.2f}]\n{d['text']}"
-                                for d in eval_dialogues(last)] + ["```"]
+            body = "\n".join(f"[{d['with']}, {d['persona']}, reward {d['reward']:.2f}]\n{d['text']}"
+                             for d in eval_dialogues(last))
+            fence = code_fence(body)           # a transcript cannot close it
+            lines += [fence, body, fence]
     write_report_file(run_dir / "report.md", "\n".join(lines) + "\n")
     write_html(run_dir, f"minscope toy experiment: {run_dir.name}", "\n".join(lines), toy_dialogues(records))
     return results

@@ -50,10 +50,21 @@ def _inline(text: str) -> str:
     return re.sub(r"\*\*([^*]+)\*\*", r"<b>\1</b>", out)
 
 
+def code_fence(body: str) -> str:
+    """A markdown code fence that `body` cannot close: one backtick longer than its longest
+    run of backticks (at least three)."""
+    longest = max((len(run) for run in re.findall(r"`+", body)), default=0)
+    return "`" * max(3, longest + 1)
+
+
 def _image(alt: str, name: str, folder: Path) -> str:
-    path = folder / name
-    if not path.is_file() or path.suffix.lower() != ".png":
-        return f"<p>[{html.escape(alt)}: {html.escape(name)} not found]</p>"
+    """An image of the run folder, inlined; a path that leads out of it (absolute, `..`, a
+    link) is not read: report text can be written by a model or a transcript."""
+    root = folder.resolve()
+    path = (folder / name).resolve()
+    if Path(name).is_absolute() or not path.is_relative_to(root) or not path.is_file() \
+            or path.suffix.lower() != ".png":
+        return f"<p>[{html.escape(alt)}: {html.escape(name)} not found in the run folder]</p>"
     data = base64.b64encode(path.read_bytes()).decode()
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
 

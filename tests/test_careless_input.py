@@ -183,3 +183,81 @@ def test_a_report_write_that_fails_midway_keeps_the_previous_report(tmp_path, mo
         write_html(tmp_path, "new", "# the new report\n" + "text\n" * 100)
     assert (tmp_path / "report.html").read_bytes() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
+
+
+# --------------------------------------------------------------------------- monitor thresholds, crafted transcripts
+@pytest.mark.parametrize("setting, message", [
+    ("zero_var=nan", "zero_var must be a finite number, not nan"),
+    ("entropy_frac=inf", "entropy_frac must be a finite number, not inf"),
+    ("window=0", "window must be 2 or more, not 0"),
+    ("window_steps=0", "window_steps must be 1 or more, not 0"),
+    ("window=2.5", "window takes a whole number, not '2.5'"),
+    ("fall_z=high", "fall_z takes a number, not 'high'"),
+])
+def test_monitor_set_refuses_a_threshold_that_would_silence_or_break_the_alarms(tmp_path, capsys, setting, message):
+    # before: NaN/inf/0 were written into config.json with --write (NaN compares false: an alarm
+    # that never fires), a window of 0 raised IndexError, a word a ValueError traceback
+    run = real_run_folder(tmp_path / "run")
+    config = (run / "config.json").read_text()
+    with pytest.raises(SystemExit) as e:
+        monitor.main([str(run), "--set", setting, "--write"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--set {setting}: {message}" in err and "Traceback" not in err
+    assert (run / "config.json").read_text() == config
+
+
+def test_a_damaged_monitor_block_in_config_json_is_one_message_naming_it(tmp_path):
+    # before: TypeError (an unknown key) from MonitorConfig(**...)
+    run = real_run_folder(tmp_path / "run")
+    (run / "config.json").write_text(json.dumps({"env": "numbers", "monitor": {"colour": 1}}))
+    with pytest.raises(SystemExit, match=r"config.json is damaged: \"monitor\": unknown threshold 'colour'"):
+        monitor.main([str(run)])
+    (run / "config.json").write_text(json.dumps({"env": "numbers", "monitor": {"zero_var": "high"}}))
+    with pytest.raises(SystemExit, match=r"\"monitor\": zero_var takes a number, not 'high'"):
+        monitor.main([str(run)])
+
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"secret pixels" * 10
+
+
+def test_a_toy_transcript_cannot_close_the_report_code_block_nor_embed_a_file_outside_the_run(tmp_path):
+    # before: the toy report's ``` fence was closed by a transcript's ```, whose next lines became
+    # markdown: a heading, and an image read from any path on disk into report.html
+    import base64
+
+    from minscope import report
+
+    (tmp_path / "secret.png").write_bytes(PNG)
+    run = tmp_path / "run"
+    run.mkdir()
+    text = "persuader: hi\n```\n# Injected heading\n![leak](../secret.png)\n![leak](" + str(tmp_path / "secret.png") + ")"
+    recs = []
+    for step, real in ((0, 0.3), (10, 0.4)):
+        recs.append({"kind": "eval", "method": "single", "seed": 0, "step": step, "real_users": real, "panel": 0.5,
+                     "real_users_rewards": [real] * 4, "unseen": 0.5, "seen": 0.5,
+                     "dialogues": [{"with": "real_users", "persona": "p", "reward": 1.0, "text": text}]})
+        recs.append({"kind": "train", "method": "single", "seed": 0, "step": step, "train_reward": 0.5,
+                     "policy_entropy": 0.4, "zero_var_frac": 0.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    report.write_report(run, {"random": 0.1, "best_fixed": 0.2, "best_adaptive": 0.3})
+    page = (run / "report.html").read_text()
+    assert "<h1>Injected heading</h1>" not in page and "# Injected heading" in page
+    assert base64.b64encode(PNG).decode()[:20] not in page
+
+
+@pytest.mark.parametrize("name", ["../secret.png", "SECRET_ABSOLUTE", "link.png"])
+def test_report_images_come_only_from_inside_the_run_folder(tmp_path, name):
+    import base64
+
+    from minscope.report_html import markdown_html
+
+    (tmp_path / "secret.png").write_bytes(PNG)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "link.png").symlink_to(tmp_path / "secret.png")
+    own = b"\x89PNG\r\n\x1a\n" + b"the run's own curves"
+    (run / "curves.png").write_bytes(own)
+    name = name.replace("SECRET_ABSOLUTE", str(tmp_path / "secret.png"))
+    page = markdown_html(f"![x]({name})\n![curves](curves.png)", run)
+    assert base64.b64encode(PNG).decode() not in page and "not found in the run folder" in page
+    assert base64.b64encode(own).decode() in page                  # the run's own image is inlined
