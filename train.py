@@ -57,6 +57,26 @@ def positive_float(text: str) -> float:
     return value
 
 
+# Bounds of the settings whose extreme values break the arithmetic, not just the results: a
+# sampling temperature near 0 divides the logits into inf (sampling then fails), a learning
+# rate far above 1 overflows the optimizer, a seed must fit torch's 64-bit generator once
+# `runner.step_seed` has multiplied it by 1,000,003.
+MIN_TEMPERATURE = 0.01
+MAX_LR = 1.0
+MAX_SEED = 2**32 - 1
+
+
+def check_name(p, args):
+    """--name is one folder inside --runs-dir, and --runs-dir a folder (or not there yet)."""
+    if args.name is not None:
+        name = args.name
+        if not name.strip() or name in (".", "..") or "/" in name or "\\" in name or Path(name).is_absolute():
+            p.error(f"--name {name!r}: give a plain folder name (no '/', not '..' or empty); the run goes "
+                    "to RUNS_DIR/NAME, and --runs-dir chooses RUNS_DIR")
+    if args.runs_dir is not None and Path(args.runs_dir).exists() and not Path(args.runs_dir).is_dir():
+        p.error(f"--runs-dir {args.runs_dir}: that is a file, not a folder")
+
+
 # Settings of real-model runs, and their defaults. Their command-line default is None, so
 # that a toy run and a --resume can tell a flag that was given from one that was not.
 # lr, sim_lr: LoRA's, not the paper's full fine-tuning 1e-6 (docs/DESIGN_NOTES.md; the sweep: docs/REAL_MODELS.md)
@@ -299,6 +319,19 @@ def check_real_args(p, args):
                     "the persuadee answers each message; its last stated amount is the reward)")
     if args.p4g_reward is not None and args.env != "p4g":
         p.error(f"--p4g-reward is for --env p4g, not --env {args.env}")
+    if args.temperature is not None and args.temperature < MIN_TEMPERATURE:
+        p.error(f"--temperature {args.temperature:g}: give {MIN_TEMPERATURE:g} or more (training samples; a "
+                "temperature near 0 turns the logits into infinities)")
+    if args.eval_temperature is not None and (not math.isfinite(args.eval_temperature) or args.eval_temperature < 0
+                                              or 0 < args.eval_temperature < MIN_TEMPERATURE):
+        p.error(f"--eval-temperature {args.eval_temperature:g}: give 0 (greedy) or a finite number from "
+                f"{MIN_TEMPERATURE:g} up")
+    for key in ("lr", "sim_lr"):
+        if getattr(args, key) is not None and getattr(args, key) > MAX_LR:
+            p.error(f"{flag(key)} {getattr(args, key):g}: give at most {MAX_LR:g} (a LoRA learning rate; "
+                    "the defaults are 5e-4)")
+    if args.seed is not None and args.seed > MAX_SEED:
+        p.error(f"--seed {args.seed}: give a whole number from 0 to {MAX_SEED}")
 
 
 def check_resume(p, args):
@@ -331,6 +364,7 @@ def check_resume(p, args):
 
 
 def check_args(p, args):
+    check_name(p, args)
     if args.resume:
         check_resume(p, args)
     elif args.env == "toy":

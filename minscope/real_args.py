@@ -229,8 +229,20 @@ def check_panel(args):
               "with --panel unseen:MODEL (a simulator the policy never trains against)", file=sys.stderr)
 
 
+def check_device(name) -> None:
+    """--device cuda / mps on a machine without one: one line, before any folder or model."""
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA GPU here; use --device cpu (or auto)")
+    mps = getattr(torch.backends, "mps", None)
+    if name == "mps" and not (mps is not None and mps.is_available()):
+        raise SystemExit("--device mps: this machine has no MPS device (Apple silicon); use --device cpu (or auto)")
+
+
 def check_memory_args(args):
-    """--rollout-batch and --eval-temperature, checked before any model loads."""
+    """--rollout-batch, --eval-temperature and --device, checked before any model loads."""
+    check_device(getattr(args, "device", None))
     if getattr(args, "rollout_batch", None) is not None and args.rollout_batch < 1:
         raise SystemExit(f"--rollout-batch {args.rollout_batch}: give at least 1 episode")
     temperature = getattr(args, "eval_temperature", None)

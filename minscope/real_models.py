@@ -71,12 +71,20 @@ class Models:
     panel: dict                   # name -> (speaker, "seen" | "unseen")
 
 
-def check_lora_rank(model, r: int) -> None:
-    """A LoRA rank above the model's width adds parameters and nothing else (and a huge one
-    would try to allocate them): one line instead."""
-    width = getattr(getattr(model, "config", None), "hidden_size", None)
+def check_model_settings(model, args) -> None:
+    """Settings that only the loaded model can check, one line each: a LoRA rank above its
+    width adds parameters and nothing else (a huge one would try to allocate them), and a
+    turn longer than its context cannot be generated (the cache would be sized for it)."""
+    config = getattr(model, "config", None)
+    width = getattr(config, "hidden_size", None)
+    r = setting(args, "lora_r")
     if width is not None and r > width:
         raise SystemExit(f"--lora-r {r}: above the model's hidden size ({width}); give at most {width}")
+    context = getattr(config, "max_position_embeddings", None)
+    tokens = getattr(args, "max_new_tokens", None)
+    if context is not None and tokens is not None and tokens > context:
+        raise SystemExit(f"--max-new-tokens {tokens}: above the model's context length ({context} "
+                         "tokens); give fewer")
 
 
 def build_models(args, train_simulator: bool = False, panel_spec: str | None = None,
@@ -94,7 +102,7 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
     lora = dict(r=setting(args, "lora_r"), alpha=setting(args, "lora_alpha"))   # every trained adapter's
     if partner is not None:
         policy_model, tok = load_model(resolve_path(args.policy), **bits)
-        check_lora_rank(policy_model, lora["r"])
+        check_model_settings(policy_model, args)
         policy_model = add_adapters(policy_model, ["policy"], **lora)
         policy = LMSpeaker(policy_model, tok, "agent", adapter="policy", temperature=temperature,
                            max_new_tokens=args.max_new_tokens, name="policy")
@@ -109,7 +117,7 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
     shared = not sim_path or sim_path == policy_path
     sim_model, sim_tok = (policy_model, tok) if shared else load_model(sim_path, **bits)
     sim_path = sim_path or policy_path
-    check_lora_rank(policy_model, lora["r"])
+    check_model_settings(policy_model, args)
 
     # Decide every adapter before creating any speaker: wrapping a model in peft changes
     # which object has to be called (the raw base would then run the active adapter).

@@ -261,3 +261,39 @@ def test_report_images_come_only_from_inside_the_run_folder(tmp_path, name):
     page = markdown_html(f"![x]({name})\n![curves](curves.png)", run)
     assert base64.b64encode(PNG).decode() not in page and "not found in the run folder" in page
     assert base64.b64encode(own).decode() in page                  # the run's own image is inlined
+
+
+# --------------------------------------------------------------------------- one line, not a traceback
+def test_a_device_the_machine_lacks_is_one_line_before_any_folder_or_model(tmp_path, monkeypatch):
+    # before: the model loaded and config.json was written, then torch raised
+    import torch
+
+    import train as train_cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    for device in ("cuda", "mps"):
+        with pytest.raises(SystemExit, match=f"--device {device}: .* use --device cpu"):
+            train_cli.main(["--env", "numbers", "--policy", str(tmp_path / "no-model"), "--runs-dir",
+                            str(tmp_path / "runs"), "--device", device])
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("argv", [["--env", "numbers", "--policy", "x"], []])
+def test_runs_dir_naming_a_file_is_one_line(tmp_path, capsys, argv):
+    import train as train_cli
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        train_cli.main([*argv, "--runs-dir", str(tmp_path / "file")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "that is a file, not a folder" in err and "Traceback" not in err
+    assert (tmp_path / "file").read_text() == ""
+
+
+def test_a_turn_longer_than_the_model_context_is_one_line(tiny_loader):
+    # before: --max-new-tokens 1000000000 tried to allocate its cache (768 GB with smollm2)
+    from minscope.envs.numbers import Numbers
+
+    with pytest.raises(SystemExit, match=r"--max-new-tokens 1000000000: above the model's context length \(\d+ tokens\)"):
+        tiny_loader.build_models(scripted_args(max_new_tokens=10**9), partner=Numbers().scripted_partner())

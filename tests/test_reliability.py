@@ -317,6 +317,17 @@ def test_toy_group_settings_reach_the_config(tmp_path, monkeypatch):
     (["--env", "cooperbench", "--max-turns", "4"], "--max-turns is for --env p4g|tau2, not --env cooperbench (cooperbench: --coder-turns)"),
     (["--pool-draw", "hardest"], "--pool-draw is for --method population, not --method single"),
     (["--method", "population", "--pool-draw", "worst"], "argument --pool-draw: invalid choice"),
+    # extremes that broke the arithmetic later, with a traceback
+    (["--temperature", "1e-300"], "--temperature 1e-300: give 0.01 or more"),
+    (["--eval-temperature", "1e-300"], "--eval-temperature 1e-300: give 0 (greedy) or a finite number from 0.01 up"),
+    (["--lr", "1e300"], "--lr 1e+300: give at most 1"),
+    (["--sim-lr", "5"], "--sim-lr 5: give at most 1"),
+    (["--seed", str(10**29)], f"--seed {10**29}: give a whole number from 0 to 4294967295"),
+    # --name leaving RUNS_DIR
+    (["--name", "../x"], "--name '../x': give a plain folder name"),
+    (["--name", "/tmp/x"], "--name '/tmp/x': give a plain folder name"),
+    (["--name", ""], "--name '': give a plain folder name"),
+    (["--name", ".."], "--name '..': give a plain folder name"),
 ])
 def test_bad_real_arguments_are_one_message_before_any_model_loads(tmp_path, capsys, argv, message):
     fails_with(capsys, ["--env", "p4g", "--data", str(tmp_path), "--policy", str(tmp_path / "no-model"),
