@@ -100,7 +100,8 @@ def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) ->
 
 
 def main(argv=None):
-    from minscope.files import read_json, read_jsonl
+    from minscope.files import read_json
+    from minscope.runfolder import read_log
 
     args = parse_args(argv)
     if args.report_only and args.meter:
@@ -109,9 +110,12 @@ def main(argv=None):
     if not (run_dir / "metrics.jsonl").exists():
         raise SystemExit(f"{run_dir} has no metrics.jsonl: pass a directory written by train.py")
     config = read_json(run_dir / "config.json")
-    read_jsonl(run_dir / "metrics.jsonl")    # a damaged log: one message naming it, before any work
+    read_log(run_dir / "metrics.jsonl")      # a damaged log: one message naming it, before any work
     if "models" not in config:       # a real-model run (train.py --env p4g / tau2 / wordgame)
         from minscope.errors import RunStopped
+        from minscope.real_args import check_saved_settings
+
+        check_saved_settings(config, run_dir / "config.json")
         from minscope.real_report import write_real_report
 
         try:

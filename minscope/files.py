@@ -60,7 +60,10 @@ def read_jsonl(path: Path, warn=note) -> list[dict]:
     out = []
     for k, (lineno, ln) in enumerate(numbered):
         try:
-            rec = json.loads(ln)
+            try:
+                rec = json.loads(ln)
+            except RecursionError:
+                raise ValueError("nested too deeply") from None
             if not isinstance(rec, dict):
                 raise ValueError("not a JSON object")
         except ValueError as e:
@@ -78,6 +81,8 @@ def read_json(path: Path) -> dict:
     path = Path(path)
     try:
         obj = json.loads(path.read_text())
+    except RecursionError:
+        raise RunFileError(f"{path} is damaged: not readable JSON (nested too deeply)") from None
     except FileNotFoundError:
         raise RunFileError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:

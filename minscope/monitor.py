@@ -329,7 +329,8 @@ def _main(p, args):
     import json
     from dataclasses import asdict, fields, replace
 
-    from .files import read_json, read_jsonl, write_text_atomic
+    from .files import read_json, write_text_atomic
+    from .runfolder import read_log as read_jsonl
 
     config = read_json(args.run_dir / "config.json")
     cfg = config_thresholds(config, args.run_dir / "config.json")

@@ -115,6 +115,32 @@ def parse_panel(spec: str) -> list[tuple[str, str]]:
     return out
 
 
+WHOLE_SETTINGS = ("steps", "groups", "group_size", "eval_every", "max_new_tokens", "micro_batch", "seed", "lora_r",
+                  "lora_alpha", "pool_size", "pool_every", "vs_k", "max_turns", "coder_turns", "rollout_batch")
+NUMBER_SETTINGS = ("lr", "sim_lr", "temperature", "kl", "eval_temperature")
+TEXT_SETTINGS = ("env", "method", "policy", "simulator", "panel", "data", "domain")
+
+
+def check_saved_settings(saved: dict, path) -> None:
+    """A real run's config.json, parsed: each setting of the right kind (or null), else
+    RunFileError naming the file and the setting."""
+    from .files import RunFileError
+
+    def bad(key, what):
+        raise RunFileError(f"{path} is damaged: {key!r} is {saved[key]!r}, not {what}; fix it or start a new run")
+    for key in WHOLE_SETTINGS:
+        v = saved.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            bad(key, "a whole number")
+    for key in NUMBER_SETTINGS:
+        v = saved.get(key)
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+            bad(key, "a number")
+    for key in TEXT_SETTINGS:
+        if saved.get(key) is not None and not isinstance(saved[key], str):
+            bad(key, "a text")
+
+
 def restore_args(args) -> argparse.Namespace:
     """On --resume the run's saved config.json is authoritative (a later --steps may
     extend it); the command line only has to name the environment and the run."""
@@ -126,6 +152,7 @@ def restore_args(args) -> argparse.Namespace:
     saved = read_json(config_path)
     if "models" in saved:
         raise SystemExit(f"{run_dir} is a toy run: resume it with `python train.py --resume {run_dir}`")
+    check_saved_settings(saved, config_path)
     if args.env not in ("toy", saved.get("env")):    # "toy" is train.py's default: not given
         raise SystemExit(f"{run_dir} is a --env {saved.get('env')} run; resume it with "
                          f"`python train.py --env {saved.get('env')} --resume {run_dir}`")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .files import load_state, read_json, read_jsonl, truncate_log
+from .files import RunFileError, load_state, read_json, read_jsonl, truncate_log
 
 
 def arm_name(method: str, seed: int) -> str:
@@ -50,6 +50,46 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
 
+# fields of the logs' records that the monitor, the reports and a resume compute with
+NUMERIC_FIELDS = ("train_reward", "panel_mean", "policy_entropy", "zero_var_frac", "real_users", "unseen", "seen",
+                  "panel", "seconds", "rollout_s", "update_s", "eval_s", "policy_loss", "kl", "entropy",
+                  "exact_stream_frac", "skipped_steps")
+
+
+def record_problem(rec: dict) -> str | None:
+    """What makes a parsed log record unusable (None: nothing): no `kind`, a `step` that is not
+    a whole number, a text where a number belongs, an alarm without its signal."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if not isinstance(rec.get("kind"), str):
+        return "a record without a \"kind\""
+    if "step" in rec or rec["kind"] in ("train", "eval", "alarm"):
+        step = rec.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            return f"\"step\" is {step!r}, not a whole number"
+    for key in NUMERIC_FIELDS:
+        if rec.get(key) is not None and not number(rec[key]):
+            return f"\"{key}\" is {rec[key]!r}, not a number"
+    if rec["kind"] == "alarm" and not isinstance(rec.get("signal"), str):
+        return "an alarm record without its \"signal\""
+    return None
+
+
+def read_log(path: Path, warn=None) -> list[dict]:
+    """`files.read_jsonl`, then every record checked (`record_problem`): a damaged record is
+    RunFileError naming the file and the line."""
+    path = Path(path)
+    records = read_jsonl(path) if warn is None else read_jsonl(path, warn=warn)
+    lines = None
+    for k, rec in enumerate(records):
+        why = record_problem(rec)
+        if why:
+            if lines is None:
+                lines = [i + 1 for i, ln in enumerate(path.read_text().splitlines()) if ln.strip()]
+            raise RunFileError(f"{path} is damaged: line {lines[k]}: {why}; fix or remove that line")
+    return records
+
+
 def check_saved_arms(run_dir: Path, arms: list[tuple[str, int]]) -> None:
     """Before a resumed run starts any worker: every arm's saved state must load and every
     log must read (a half-written last line, left by a kill, is dropped with a note by the
@@ -61,7 +101,7 @@ def check_saved_arms(run_dir: Path, arms: list[tuple[str, int]]) -> None:
                 load_state(path)
         log = arm.parent / f"{arm.name}.jsonl"
         if log.exists():
-            read_jsonl(log, warn=lambda msg: None)   # the note comes when the arm trims it
+            read_log(log, warn=lambda msg: None)     # the note comes when the arm trims it
 
 
 def merge_metrics(run_dir: Path, arms: list[tuple[str, int]] | None = None) -> Path:

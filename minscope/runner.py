@@ -71,6 +71,7 @@ from .real_args import (
 from .real_models import Models, build_real_method, default_rollout_batch, eval_panel
 from .real_report import format_episode, write_real_report
 from .rollout import StreamError, rollout_batch
+from .runfolder import read_log
 from .served import served_speakers, take_usage
 
 TIMING_KEYS = ("seconds", "rollout_s", "update_s", "eval_s")   # wall times in metrics.jsonl
@@ -235,7 +236,7 @@ def run_real(args):
     if args.resume and (run_dir / "state.pt").exists():
         load_state_file(run_dir / "state.pt")  # a damaged state stops here, before any model loads
     if args.resume and (run_dir / "metrics.jsonl").exists():
-        read_jsonl(run_dir / "metrics.jsonl", warn=lambda msg: None)   # so does a damaged log
+        read_log(run_dir / "metrics.jsonl", warn=lambda msg: None)     # so does a damaged log
     if main:
         write_text_atomic(run_dir / "config.json", json.dumps({**vars(args), "resume": None}, indent=2))
     models, method = build_real_method(args, env, personas)

@@ -297,3 +297,52 @@ def test_a_turn_longer_than_the_model_context_is_one_line(tiny_loader):
 
     with pytest.raises(SystemExit, match=r"--max-new-tokens 1000000000: above the model's context length \(\d+ tokens\)"):
         tiny_loader.build_models(scripted_args(max_new_tokens=10**9), partner=Numbers().scripted_partner())
+
+
+# --------------------------------------------------------------------------- damaged but parseable run files
+GOOD = json.dumps({"kind": "train", "step": 0, "train_reward": 0.5, "zero_var_frac": 0.0})
+DAMAGED_LINES = [
+    (json.dumps({"kind": "train", "step": 1, "train_reward": "high"}), "line 2: \"train_reward\" is 'high', not a number"),
+    (json.dumps({"step": 1, "train_reward": 0.5}), "line 2: a record without a \"kind\""),
+    (json.dumps({"kind": "eval", "step": "one"}), "line 2: \"step\" is 'one', not a whole number"),
+    ("[" * 100_000 + "]" * 100_000, "line 2 is not a JSON record (nested too deeply)"),
+]
+
+
+def damaged_real_run(tmp_path, line):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"env": "numbers", "method": "single", "policy": "x", "steps": 2}))
+    (run / "metrics.jsonl").write_text("\n".join([GOOD, line, GOOD]) + "\n")
+    return run
+
+
+@pytest.mark.parametrize("tool", ["monitor", "report-only", "resume"])
+@pytest.mark.parametrize("line, message", DAMAGED_LINES, ids=["text", "no-kind", "step", "deep"])
+def test_a_damaged_but_parseable_log_is_one_message_naming_file_and_line(tmp_path, tool, line, message):
+    # before: TypeError / KeyError / RecursionError tracebacks (the report, the monitor, a resume)
+    import eval as eval_cli
+    import train as train_cli
+
+    run = damaged_real_run(tmp_path, line)
+    call = {"monitor": lambda: monitor.main([str(run)]),
+            "report-only": lambda: eval_cli.main([str(run), "--report-only"]),
+            "resume": lambda: train_cli.main(["--env", "numbers", "--resume", str(run)])}[tool]
+    with pytest.raises(SystemExit) as e:
+        call()
+    assert f"metrics.jsonl is damaged: {message}" in str(e.value.code)
+
+
+@pytest.mark.parametrize("tool", ["report-only", "resume"])
+def test_a_setting_of_the_wrong_kind_in_config_json_is_one_message_naming_it(tmp_path, tool):
+    import eval as eval_cli
+    import train as train_cli
+
+    run = damaged_real_run(tmp_path, GOOD)
+    (run / "config.json").write_text(json.dumps({"env": "numbers", "method": "single", "policy": "x", "steps": 2,
+                                                 "groups": "many"}))
+    with pytest.raises(SystemExit, match=r"config.json is damaged: 'groups' is 'many', not a whole number"):
+        if tool == "resume":
+            train_cli.main(["--env", "numbers", "--resume", str(run)])
+        else:
+            eval_cli.main([str(run), "--report-only"])
