@@ -22,8 +22,15 @@ from minscope.seedstats import paired, t_interval  # noqa: E402
 
 
 def read_table(path: str, heading: str) -> dict[str, list[float]]:
-    lines = Path(path).read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    """The table's rows, name -> per-seed values; SystemExit (one line) when the file, the
+    heading, its table or the "per seed" column is missing or a value is not a number."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{path}: cannot read it ({e})") from None
+    start = next((i for i, line in enumerate(lines) if line.startswith(heading)), None)
+    if start is None:
+        raise SystemExit(f"{path}: no line starts with {heading!r}")
     rows, header = {}, None
     for line in lines[start + 1:]:
         if not line.startswith("|"):
@@ -33,11 +40,18 @@ def read_table(path: str, heading: str) -> dict[str, list[float]]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         if header is None:
             header = cells
+            if "per seed" not in header:
+                raise SystemExit(f"{path}: the table after {heading!r} has no \"per seed\" column")
             col = header.index("per seed")
             continue
         if set(cells[0]) <= set("-: "):
             continue
-        rows[cells[0]] = [float(v) for v in cells[col].split()]
+        try:
+            rows[cells[0]] = [float(v) for v in cells[col].split()]
+        except (ValueError, IndexError):
+            raise SystemExit(f"{path}: row {cells[0]!r} has no per-seed numbers in its \"per seed\" cell") from None
+    if header is None:
+        raise SystemExit(f"{path}: no table after {heading!r}")
     return rows
 
 

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from .evaluate import evaluate_panel, pass_hat_k, summarize
-from .files import read_json, read_jsonl
+from .files import RunFileError, read_json, read_jsonl
 from .models import load_adapter
 from .real_args import eval_tasks, make_env
 from .real_models import build_models, models_thinking
@@ -74,7 +74,10 @@ def pick_checkpoint(run_dir, which: str = "latest") -> tuple[int, Path]:
         best = run_dir / "best.json"
         if not best.exists():
             raise SystemExit(f"{run_dir} has no best.json; use --checkpoint latest or a step")
-        step = json.loads(best.read_text())["step"]
+        step = read_json(best).get("step")          # damaged: RunFileError naming it
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise RunFileError(f"{best} is damaged: \"step\" is {step!r}, not a step number; use "
+                               "--checkpoint latest or a step")
     elif which.isdigit():
         step = int(which)
     else:

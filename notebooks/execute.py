@@ -22,6 +22,18 @@ CPU_NOTEBOOKS = ["01_simulator_collapse", "02_grpo_from_scratch", "03_fused_logp
 
 
 def main(names):
+    if any(n in ("-h", "--help") for n in names):
+        print(__doc__.strip())
+        return
+    unknown = [n for n in names if not (HERE / f"{Path(n).stem}.ipynb").is_file()]
+    if unknown:
+        sys.exit(f"no such notebook in {HERE}: {', '.join(unknown)} (these are: "
+                 f"{', '.join(sorted(p.stem for p in HERE.glob('*.ipynb')))})")
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    if "python3" not in KernelSpecManager().find_kernel_specs():
+        sys.exit("no Jupyter kernel named python3: install one with `pip install ipykernel && "
+                 "python -m ipykernel install --user`")
     os.environ.pop("MINSCOPE_NOTEBOOK_FAST", None)
     os.environ["MINSCOPE_CACHE"] = tempfile.mkdtemp(prefix="minscope-notebooks-")
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -346,3 +346,63 @@ def test_a_setting_of_the_wrong_kind_in_config_json_is_one_message_naming_it(tmp
             train_cli.main(["--env", "numbers", "--resume", str(run)])
         else:
             eval_cli.main([str(run), "--report-only"])
+
+
+def test_notebooks_execute_help_prints_the_usage_and_touches_no_notebook():
+    # before: "--help" was taken for a notebook name: FileNotFoundError traceback
+    before = {p: p.stat().st_mtime_ns for p in (ROOT / "notebooks").glob("*.ipynb")}
+    run = subprocess.run([sys.executable, str(ROOT / "notebooks" / "execute.py"), "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0 and "Re-execute notebooks in place" in run.stdout and "Traceback" not in run.stderr
+    assert {p: p.stat().st_mtime_ns for p in (ROOT / "notebooks").glob("*.ipynb")} == before
+
+
+def test_notebooks_execute_without_a_jupyter_kernel_is_one_line(monkeypatch):
+    # before: jupyter_client's NoSuchKernel traceback from inside nbclient
+    import importlib.util
+
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    spec = importlib.util.spec_from_file_location("execute_notebooks", ROOT / "notebooks" / "execute.py")
+    execute = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(execute)
+
+    class NoKernel:                       # what nbclient does without the kernel (and nothing else)
+        def __init__(self, *a, **kw):
+            pass
+
+        def execute(self):
+            raise NoSuchKernel("python3")
+    monkeypatch.setattr(KernelSpecManager, "find_kernel_specs", lambda self: {})
+    monkeypatch.setattr(execute, "NotebookClient", NoKernel)
+    monkeypatch.setattr(execute.nbformat, "write", lambda *a, **kw: pytest.fail("a notebook was written"))
+    with pytest.raises(SystemExit, match="no Jupyter kernel named python3: install one with"):
+        execute.main(["01_simulator_collapse"])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda t: t.unlink(), "cannot read it"),
+    (lambda t: t.write_text("## Other\n\n| method | per seed |\n|---|---|\n| Base | .2 .2 |\n"), "no line starts with '## Runs'"),
+    (lambda t: t.write_text("## Runs\n\n| method | mean |\n|---|---|\n| Base | .2 |\n"), "has no \"per seed\" column"),
+    (lambda t: t.write_text("## Runs\n\nno table here\n"), "no table after '## Runs'"),
+])
+def test_seed_intervals_with_a_missing_file_heading_or_column_is_one_line(tmp_path, damage, message):
+    # before: FileNotFoundError, StopIteration or ValueError tracebacks
+    table = tmp_path / "t.md"
+    table.write_text("")
+    damage(table)
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "seed_intervals.py"), str(table), "## Runs"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("best", ['{"step": ', '{"step": "3"}', "[]"])
+def test_checkpoint_best_with_a_damaged_best_json_is_one_message(tmp_path, best):
+    # before: JSONDecodeError / KeyError tracebacks, or a string step compared with the saved ones
+    from minscope.real_report import pick_checkpoint
+
+    (tmp_path / "policy-step3" / "policy").mkdir(parents=True)
+    (tmp_path / "policy-step3" / "policy" / "adapter_config.json").write_text("{}")
+    (tmp_path / "best.json").write_text(best)
+    with pytest.raises(SystemExit, match="best.json is damaged"):
+        pick_checkpoint(tmp_path, "best")
