@@ -330,6 +330,15 @@ def check_real_args(p, args):
         if getattr(args, key) is not None and getattr(args, key) > MAX_LR:
             p.error(f"{flag(key)} {getattr(args, key):g}: give at most {MAX_LR:g} (a LoRA learning rate; "
                     "the defaults are 5e-4)")
+    if args.domain is not None and args.env != "tau2":
+        p.error(f"--domain is for --env tau2, not --env {args.env}")
+    if args.load_in_4bit:
+        from minscope.models import BUILTIN_MODELS
+
+        gguf = [m for m in (args.policy, args.simulator) if m and (m in BUILTIN_MODELS or m.lower().endswith(".gguf"))]
+        if gguf:
+            p.error(f"--load-in-4bit does not apply to {gguf[0]}: a GGUF model is quantized already (it is loaded "
+                    "dequantized, in float32); drop --load-in-4bit, or give a Hugging Face model")
     if args.seed is not None and args.seed > MAX_SEED:
         p.error(f"--seed {args.seed}: give a whole number from 0 to {MAX_SEED}")
 
@@ -372,7 +381,7 @@ def check_args(p, args):
     else:
         check_real_args(p, args)
         for key, value in REAL_DEFAULTS.items():
-            if getattr(args, key) is None:
+            if getattr(args, key) is None and (key != "domain" or args.env == "tau2"):   # tau2's alone
                 setattr(args, key, value)
     args.runs_dir = args.runs_dir or "runs"
     args.cache_dir = args.cache_dir or ".cache/minscope"

@@ -217,7 +217,7 @@ def check_args(args, env):
         if served:
             raise SystemExit(f"--p4g-reward expected reads the persuadee's next-token probabilities, which a served "
                              f"simulator does not give: {', '.join(served)}")
-    check_panel(args)
+    check_panel(args, scripted=env.scripted_partner() is not None)
     if args.method in TRAINS_SIMULATOR and getattr(args, "sim_reward", None) is None:
         args.sim_reward = env.default_simulator_reward          # recorded in config.json
     args.policy, args.simulator, args.data = resolve_path(args.policy), resolve_path(args.simulator), resolve_path(args.data)
@@ -243,7 +243,7 @@ def check_served(args):
                          f"load, not the endpoint {args.simulator}")
 
 
-def check_panel(args):
+def check_panel(args, scripted: bool = False):
     """--method ensemble needs two training simulators or more; without an unseen panel
     member the collapse monitor's divergence alarm has nothing held out to read (one line)."""
     specs = parse_panel(args.panel)
@@ -251,7 +251,7 @@ def check_panel(args):
         raise SystemExit("--method ensemble trains against the training simulator and every seen --panel member, "
                          "and --panel names none, so it would train like --method single: give one or more, e.g. "
                          "--simulator A --panel B,C (members without 'unseen:' are seen; unseen:D stays held out)")
-    if not any(kind == "unseen" for _, kind in specs):
+    if not scripted and not any(kind == "unseen" for _, kind in specs):   # a scripted partner has no panel
         print("note: no unseen --panel member, so the collapse monitor's divergence alarm is off; turn it on "
               "with --panel unseen:MODEL (a simulator the policy never trains against)", file=sys.stderr)
 

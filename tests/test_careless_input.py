@@ -406,3 +406,17 @@ def test_checkpoint_best_with_a_damaged_best_json_is_one_message(tmp_path, best)
     (tmp_path / "best.json").write_text(best)
     with pytest.raises(SystemExit, match="best.json is damaged"):
         pick_checkpoint(tmp_path, "best")
+
+
+def test_a_scripted_partner_run_records_no_domain_and_prints_no_divergence_note(capsys):
+    # before: config.json said "domain": "retail" for --env numbers, and the run printed the
+    # "divergence alarm is off" note, which means nothing without a panel of simulators
+    import train as train_cli
+    from minscope.envs.numbers import Numbers
+    from minscope.real_args import check_args
+
+    args = train_cli.parse_args(["--env", "numbers", "--policy", "smollm2"])
+    assert args.domain is None
+    check_args(args, Numbers())
+    assert "divergence alarm" not in capsys.readouterr().err
+    assert train_cli.parse_args(["--env", "tau2", "--policy", "x"]).domain == "retail"
