@@ -13,9 +13,10 @@ code logs, e.g. the compute counts: everything else must still be identical).
 `diff` compares every arm's records (metrics.jsonl) field by field, wall-time fields aside,
 and prints per arm kind: identical, or the first fields that differ and by how much.
 
-Run both sides with the same PYTHONHASHSEED: a few figures iterate over Python sets of
-strings (`envs.toy.total_variation`, the eval record's most common act sequence), whose
-order, and so the last bit of a sum or a tie-break, changes with the hash seed of the process.
+It also shows that the toy's numbers do not depend on the CPU (minscope/precision.py): run
+the same code twice, once with ATEN_CPU_CAPABILITY=default, and diff. (Code before the toy's
+float64 arithmetic wanted the same PYTHONHASHSEED on both sides too: a few figures iterated
+over Python sets of strings; they are sorted now.)
 """
 
 from __future__ import annotations

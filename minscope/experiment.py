@@ -43,6 +43,7 @@ from .files import RunLock, load_state, read_jsonl, save_atomic, write_text_atom
 from .loop import Log, run_loop
 from .methods import Method, train_step
 from .models import adapter_state, load_adapter_state
+from .precision import rounded
 from .monitor import CollapseMonitor
 from .runfolder import MetricsLog, arm_name, check_saved_arms
 from .simulators import Frozen, Population
@@ -161,6 +162,9 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
     steps = 0 if method == "base" else c.steps
     tasks = toy.env.tasks()
 
+    def log(rec):        # 6 significant digits: the same on every CPU (minscope/precision.py)
+        write(rounded(rec))
+
     def evaluate(step):
         rec = eval_record(toy, m, method, seed, step, final=step == steps)
         if c.meter_every and (step % c.meter_every == 0 or step == steps):
@@ -192,7 +196,7 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
     def after_step(step):
         if m.trains_simulator and (step % (c.pool_measure_every or c.pool_every) == 0 or step == steps - 1):
             with isolated_rng(eval_seed(seed, step) + 2, m.partner):
-                write({"kind": "pool", "method": method, "seed": seed, "step": step,
+                log({"kind": "pool", "method": method, "seed": seed, "step": step,
                        **measure_pool(toy, m, step, profiles)})
 
     def save(step, best):
@@ -200,7 +204,8 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
 
     # one console line per arm: its first alarm
     announce = alarm_line and (lambda line: alarm_line(f"  {arm_name(method, seed)}: {line}"))
-    best = run_loop(steps, c.eval_every, train, evaluate, Log(write, monitor, announce, dict(method=method, seed=seed)),
+    monitored = Log(log, monitor, announce, dict(method=method, seed=seed))
+    best = run_loop(steps, c.eval_every, train, evaluate, lambda rec: monitored(rounded(rec)),
                     save, keep_best, score="panel", start=start, best=best, after_step=after_step,
                     desc=arm_name(method, seed), progress=progress, stop_after=stop_after)
     save_atomic({**arm_state(m, steps, {"best": best, "profiles": profiles, "compute": spent}), "finished": True},

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .precision import widen
+
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6):
     """Z-score rewards within groups of `group_size` consecutive rows.
@@ -28,7 +30,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6):
     rewards: [B] with B = n_groups * group_size. Returns (advantages [B], zero_var [n_groups]
     bool). A group with zero spread gets advantage 0 everywhere.
     """
-    rewards = rewards.float()
+    rewards = widen(rewards)     # float64 stays float64 (the toy: minscope/precision.py)
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.view(-1, group_size)                     # [n_groups, G]
@@ -98,7 +100,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, eps_low: float = 0.2,
     ever holding [B, T, V] logits: `trainer.grpo_update` passes `token_loss` and
     `aggregation_weights` to `logprobs.fused_grpo_token_loss` (a test checks they agree).
     """
-    adv = advantages.float().unsqueeze(1).expand_as(logp)           # [B, T]
+    adv = widen(advantages).unsqueeze(1).expand_as(logp)           # [B, T]
     per_token, ratio, clipped = token_loss(logp, old_logp, ref_logp, adv, eps_low, eps_high, beta, mask)
     w = aggregation_weights(mask, aggregation, max_len)
     loss = (w * per_token).sum()
@@ -132,7 +134,7 @@ def simulator_rewards(policy_rewards: torch.Tensor, group_size: int, kind: str):
                  group: highest when the policy succeeds about half the time
     shared:      r_policy            (symmetric tasks: both players share the task reward)
     """
-    r = policy_rewards.float()
+    r = widen(policy_rewards)
     peak, width = 0.25, 0.02     # a 0/1 reward's variance peaks at 0.25 (success half the time)
     if kind == "adversarial":
         return -r

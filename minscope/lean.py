@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .precision import wide, widen
+
 MAX_HIDDEN = 256          # only tiny models: above this the general path costs nothing extra
 
 
@@ -80,11 +82,10 @@ def _linear(mod, x, groups):
 
 
 def _rms_norm(norm, h):
-    # LlamaRMSNorm.forward (float32 throughout for these models)
-    h32 = h.to(torch.float32)
-    variance = h32.pow(2).mean(-1, keepdim=True)
-    h32 = h32 * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * h32.to(h.dtype)
+    # LlamaRMSNorm.forward: in float32, or float64 for the toy's float64 models (precision.py)
+    hw = widen(h)
+    hw = hw * torch.rsqrt(hw.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * hw.to(h.dtype)
 
 
 def _rotate_half(x):
@@ -110,8 +111,9 @@ class _LeanLlama:
         emb = lm.embed_tokens
         h = F.embedding(input_ids, emb.weight, emb.padding_idx, emb.max_norm, emb.norm_type,
                         emb.scale_grad_by_freq, emb.sparse)
-        rope = lm.rotary_emb          # LlamaRotaryEmbedding.forward, default rope
-        freqs = position_ids[..., None].float() * rope.inv_freq.to(device=h.device, dtype=torch.float)
+        rope = lm.rotary_emb          # LlamaRotaryEmbedding.forward, default rope (float64 models: precision.py)
+        angle = wide(h.dtype)
+        freqs = position_ids[..., None].to(angle) * rope.inv_freq.to(device=h.device, dtype=angle)
         e = torch.cat((freqs, freqs), dim=-1)
         cos = (e.cos() * rope.attention_scaling).to(dtype=h.dtype).unsqueeze(1)
         sin = (e.sin() * rope.attention_scaling).to(dtype=h.dtype).unsqueeze(1)
@@ -146,4 +148,4 @@ class _LeanLlama:
                         groups)
             h = residual + x
         h = _rms_norm(lm.norm, h)
-        return _linear(self.base.lm_head, h[:, -1:, :], groups)[:, -1].float()
+        return widen(_linear(self.base.lm_head, h[:, -1:, :], groups)[:, -1])

@@ -29,7 +29,8 @@ evaluation, the reference model's log-probs) `token_logprobs` runs the forward c
 and keeps nothing for a backward pass.
 
 bf16/fp16 inputs: the matmuls run in the input dtype, the softmax maths in fp32, and the
-outputs (log-probs, entropy) are fp32.
+outputs (log-probs, entropy) are fp32. fp64 inputs (the toy's models, minscope/precision.py)
+stay fp64 throughout.
 
 `fused_grpo_token_loss` goes one step further for the GRPO loss. The loss is a sum over
 tokens of a function of each token's own log-prob, so its derivative g = dloss/dlogp is
@@ -61,6 +62,7 @@ import torch
 from torch.torch_version import TorchVersion
 
 from . import grpo
+from .precision import wide, widen
 
 BACKENDS = ("auto", "torch", "triton", "cublas")
 
@@ -112,7 +114,7 @@ def fused_grpo_token_loss(hidden, weight, targets, old_logp, ref_logp, advantage
         if t.shape != lead_shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)} but targets have {tuple(lead_shape)}; "
                              "broadcast per-sequence values to tokens first")
-        return t.detach().reshape(-1).float()
+        return widen(t.detach().reshape(-1))
 
     consts = [per_token(n, t) for n, t in (("old_logp", old_logp), ("ref_logp", ref_logp),
                                            ("advantages", advantages), ("token_weights", token_weights))]
@@ -180,8 +182,9 @@ _CUDA_MM_OUT_DTYPE = TorchVersion(torch.__version__) >= (2, 8)
 
 
 def _mm_fp32(a, b):
-    """a @ b as fp32, the product computed in the inputs' dtype with fp32 accumulation."""
-    if a.dtype == torch.float32:
+    """a @ b as fp32 (fp64 for fp64 inputs), the product computed in the inputs' dtype with
+    fp32 accumulation."""
+    if a.dtype in (torch.float32, torch.float64):
         return a @ b
     if a.is_cuda and _CUDA_MM_OUT_DTYPE:
         return torch.mm(a, b, out_dtype=torch.float32)
@@ -192,8 +195,8 @@ _ADDMM_OUT_DTYPE = [True]           # until a torch build refuses an fp32 `acc` 
 
 
 def _addmm_fp32_(acc, a, b):
-    """acc += a @ b with acc fp32 [V, H] (the weight gradient, summed over row chunks)."""
-    if a.dtype == torch.float32:
+    """acc += a @ b with acc fp32 [V, H] (the weight gradient, summed over row chunks; fp64 for fp64)."""
+    if a.dtype in (torch.float32, torch.float64):
         acc.addmm_(a, b)
     elif a.is_cuda and _CUDA_MM_OUT_DTYPE:
         if _ADDMM_OUT_DTYPE[0]:
@@ -280,7 +283,7 @@ class _GradAccumulator:
 
     def __init__(self, x, weight, need_dx, need_dw):
         self.dx = torch.empty_like(x) if need_dx else None
-        self.dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
+        self.dw = torch.zeros(weight.shape, dtype=wide(weight.dtype), device=weight.device) if need_dw else None
         self.weight = weight
 
     def add(self, rows: slice, x_chunk, grad_chunk):                   # grad_chunk [C, V]
@@ -296,10 +299,10 @@ class _GradAccumulator:
 # ------------------------------------------------------------------- autograd functions
 def _forward_stats(x, weight, targets, temperature, chunk_size, backend, want_entropy):
     """(logp [N], lse [N], entropy [N] or None), chunk by chunk; nothing else survives."""
-    n = x.shape[0]
-    logp = torch.empty(n, dtype=torch.float32, device=x.device)
-    entropy = torch.empty(n, dtype=torch.float32, device=x.device) if want_entropy else None
-    lse = torch.empty(n, dtype=torch.float32, device=x.device)
+    n, dtype = x.shape[0], wide(x.dtype)
+    logp = torch.empty(n, dtype=dtype, device=x.device)
+    entropy = torch.empty(n, dtype=dtype, device=x.device) if want_entropy else None
+    lse = torch.empty(n, dtype=dtype, device=x.device)
     # The triton forward holds no [C, V] block, so it takes all rows in one launch.
     step = n if backend == "triton" else chunk_size
     for start in range(0, n, max(step, 1)):
@@ -329,7 +332,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         x, weight, targets, lse = ctx.saved_tensors
         temperature, chunk_size, backend = ctx.settings
         grads = _GradAccumulator(x, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        grad_logp = grad_logp.float()
+        grad_logp = widen(grad_logp)
         for start in range(0, x.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             g = _chunk_logit_grad(x[rows], weight, targets[rows], lse[rows], grad_logp[rows],
@@ -361,9 +364,10 @@ class _FusedGRPOTokenLoss(torch.autograd.Function):
         n = x.shape[0]
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grads = _GradAccumulator(x, weight, need_dx, need_dw)
-        logp = torch.empty(n, dtype=torch.float32, device=x.device)
-        entropy = torch.empty(n, dtype=torch.float32, device=x.device) if want_entropy else None
-        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        dtype = wide(x.dtype)        # fp32, or fp64 for the toy's fp64 models (precision.py)
+        logp = torch.empty(n, dtype=dtype, device=x.device)
+        entropy = torch.empty(n, dtype=dtype, device=x.device) if want_entropy else None
+        loss = torch.zeros((), dtype=dtype, device=x.device)
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
             x_c, y_c = x[rows], targets[rows]

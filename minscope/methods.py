@@ -28,6 +28,7 @@ import torch
 from .compute import step_compute
 from .envs.base import Episode
 from .grpo import group_advantages, simulator_rewards
+from .precision import round_parameters, widen, work_dtype
 from .rollout import LMSpeaker, rollout
 from .simulators import Ensemble, PersonaGuided, Population, Trainable, Verbalized
 from .trainer import UpdateConfig, grpo_update, make_optimizer, skip_step
@@ -184,6 +185,7 @@ def anchor_step(m: Method) -> float:
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, m.sim_cfg.grad_clip))
     if math.isfinite(loss.item()) and math.isfinite(grad_norm):
         m.sim_opt.step()
+        round_parameters(params)          # float64 (the toy's) only: minscope/precision.py
         m.sim_opt.nonfinite_streak = 0
     else:                     # as in grpo_update: never apply a NaN/inf step (counted, then stops)
         m.anchor_skipped += 1
@@ -201,7 +203,7 @@ def selfplay_partner_advantages(rewards: torch.Tensor, group_size: int, env) -> 
     makes it -A wherever the group's rewards differ).
     """
     shared = getattr(env, "symmetric", False)
-    return group_advantages(rewards if shared else 1.0 - rewards.float(), group_size)[0]
+    return group_advantages(rewards if shared else 1.0 - widen(rewards), group_size)[0]
 
 
 def partner_turns_as_agent(episodes: list[Episode]) -> list[Episode]:
@@ -247,7 +249,8 @@ def train_step(method: Method, env, tasks, group_size: int, step: int, first_gro
     episodes = rollout(env, tasks, m.policy, m.partner, group_size, first_group=first_group, seed=seed)
     if isinstance(m.partner, Population):
         m.partner.observe(episodes)       # before any snapshot moves the pool's slots
-    rewards = torch.tensor([ep.reward for ep in episodes])
+    # float64 for the toy's float64 models, whose numbers must not depend on the CPU (precision.py)
+    rewards = torch.tensor([ep.reward for ep in episodes], dtype=work_dtype(m.policy.model))
     adv, zero_var = group_advantages(rewards, group_size)
     train_eps, train_adv = episodes, adv
     if m.name == "selfplay":   # the policy played both roles: one update on both roles' tokens

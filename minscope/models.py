@@ -132,12 +132,14 @@ QWEN3_SHAPES = {
 
 
 def build_tiny_model(tokenizer, arch: str = "qwen3", hidden_size: int = 64, num_layers: int = 2,
-                     num_heads: int = 4, seed: int = 0, attention: str = "sdpa"):
+                     num_heads: int = 4, seed: int = 0, attention: str = "sdpa", float64: bool = False):
     """A randomly initialised model of a real architecture, sized to `tokenizer`.
 
     `attention` is the transformers attention implementation: "sdpa" (PyTorch's fused
     attention) or "eager" (the attention matrix in plain ops). On CPU sdpa is about twice as
-    fast on the toy's longest sequences (~300 tokens) and as fast on short ones."""
+    fast on the toy's longest sequences (~300 tokens) and as fast on short ones.
+    `float64`: drawn and computed in float64, its weights rounded to float32 values (the toy's
+    models: minscope/precision.py; float32's random normal draws differ between CPUs)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(arch, len(tokenizer), hidden_size, num_layers, num_heads)
@@ -145,7 +147,13 @@ def build_tiny_model(tokenizer, arch: str = "qwen3", hidden_size: int = 64, num_
     config.eos_token_id = tokenizer.eos_token_id
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention,
+                                                 dtype=torch.float64 if float64 else torch.float32)
+    if float64:
+        from .precision import round_parameters, to_float64
+
+        round_parameters(model.parameters())
+        return to_float64(model)
     return model.float()
 
 

@@ -38,6 +38,7 @@ from .envs.base import Episode, Turn, turn_noise
 from .kvcache import KVCache, common_prefix, party_cache, session
 from .lean import lean_forward
 from .models import model_device, use_adapter
+from .precision import widen
 
 
 # --------------------------------------------------------------------------- sampling
@@ -95,7 +96,7 @@ def sample(model, prompts: list[list[int]], pad_id: int, eos_ids: set[int], max_
     logits = run(*suffix_batch(prompts, reused, pad_id, device))
 
     out_ids = torch.full((B, max_new_tokens), -1, dtype=torch.long, device=device)
-    out_logp = torch.zeros((B, max_new_tokens), device=device)
+    out_logp = torch.zeros((B, max_new_tokens), dtype=logits.dtype, device=device)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
     uniforms = None if uniforms is None else uniforms.to(device)
     row = torch.arange(B, device=device)              # the prompt of each row being decoded
@@ -177,7 +178,7 @@ def next_token_logprobs(model, prompts: list[list[int]], pad_id: int, adapter_na
     cache.last_prefilled = [len(p) - k for p, k in zip(prompts, reused)]
     logits = _Forward(model, cache, adapter_names)(*suffix_batch(prompts, reused, pad_id, device))
     cache.record(owners, prompts)
-    return torch.log_softmax(logits.float(), dim=-1).cpu()
+    return torch.log_softmax(widen(logits), dim=-1).cpu()
 
 
 def choice_token_ids(chat, answer_prefix: str, choices: list[str]) -> list[int]:
@@ -298,7 +299,7 @@ class _Forward:
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position,
                          use_cache=True, logits_to_keep=1, **{self.cache_kw: c}, **extra)
         c.advance(s)
-        return out.logits[:, -1].float()
+        return widen(out.logits[:, -1])
 
 
 # --------------------------------------------------------------------------- views
@@ -711,11 +712,12 @@ class StreamError(ValueError):
     """Too few episodes kept an exact token stream to train on."""
 
 
-def training_batch(episodes: list[Episode], key: str, pad_id: int) -> TrainingBatch:
+def training_batch(episodes: list[Episode], key: str, pad_id: int, dtype: torch.dtype = torch.float32) -> TrainingBatch:
     """Token ids + loss mask of one party's own sampled tokens, for every episode.
 
     Episodes whose stream for `key` is missing or was rewritten are left out (`index` says
-    which rows are kept), so nothing is ever trained on re-tokenized text.
+    which rows are kept), so nothing is ever trained on re-tokenized text. `dtype`: of the
+    sampling log-probs (float64 for the toy's float64 models: minscope/precision.py).
     """
     rows = [(i, ep.info["streams"][key]) for i, ep in enumerate(episodes)
             if key in ep.info.get("streams", {}) and ep.info["streams"][key].exact]
@@ -732,12 +734,12 @@ def training_batch(episodes: list[Episode], key: str, pad_id: int) -> TrainingBa
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     attn = torch.zeros((B, T), dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.float)
-    logp = torch.zeros((B, T), dtype=torch.float)
+    logp = torch.zeros((B, T), dtype=dtype)
     for r, (_, s) in enumerate(rows):
         n = len(s.ids)
         ids[r, :n] = torch.tensor(s.ids)
         attn[r, :n] = 1
         mask[r, :n] = torch.tensor(s.mask, dtype=torch.float)
-        logp[r, :n] = torch.tensor(s.logp)
+        logp[r, :n] = torch.tensor(s.logp, dtype=dtype)
     # Position t predicts token t+1: shift the target-side tensors left by one.
     return TrainingBatch(ids, attn, mask[:, 1:], logp[:, 1:], [i for i, _ in rows])

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from .logprobs import token_logprobs
 from .models import final_hidden_states, output_embedding
+from .precision import round_parameters
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
@@ -84,6 +85,7 @@ def sft(model, tokenizer, conversations: list[list[dict]], steps: int = 300, bat
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        round_parameters(params)          # float64 models (the toy's) only: minscope/precision.py
         sched.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}")

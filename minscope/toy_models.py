@@ -49,6 +49,7 @@ import torch
 from .armpool import default_workers, worker_init
 from .envs.toy import ACT_KEYS, ACTS, BLAND, REPLIES, ToyEnv, World, canonical_reply, sharpened
 from .models import build_tiny_model, build_tokenizer
+from .precision import to_float64
 from .sft import sft
 from .toy_fidelity import (MAX_VS_TV, MIN_EXPLOIT_SHARE, aligned_fidelity, fidelity,  # noqa: F401 (its API)
                            fidelity_gate, fidelity_problems, sampling_tv_floor)
@@ -114,6 +115,7 @@ class ToyModelConfig:
         if self.world_name == "suppression":      # the default world: the shipped models' hash
             del fields["world_name"]
         fields["texts"] = texts_fingerprint()
+        fields["arithmetic"] = "float64"          # how the models are trained (precision.py)
         return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
 
     def for_world(self, name: str) -> "ToyModelConfig":
@@ -282,7 +284,7 @@ class ToyModels:
         except Exception as e:   # noqa: BLE001 - OSError, JSON, safetensors errors: rebuild all alike
             self.log(f"the cached model {path} does not load ({type(e).__name__}: {str(e)[:120]}); rebuilding it")
             return None
-        return model.float().eval()
+        return to_float64(model).eval()      # float64: minscope/precision.py
 
     def world(self, **overrides) -> World:
         """The real users of this config's world (`world_name`), with a panel member's overrides."""
@@ -318,10 +320,13 @@ class ToyModels:
             if name == "sim-a-vs":
                 conversations += vs_conversations(env, world, transcripts, c.vs_examples, rng)
         tok = self.policy_tokenizer if is_policy else self.tokenizer
-        model = build_tiny_model(tok, c.arch, c.hidden, c.layers, c.heads, seed=seed, attention=c.attention)
+        # SFT in float64, rounded to float32 after every step (minscope/precision.py): the same
+        # weights on every CPU; stored as float32, which loses nothing
+        model = build_tiny_model(tok, c.arch, c.hidden, c.layers, c.heads, seed=seed, attention=c.attention,
+                                 float64=True)
         losses = sft(model, tok, conversations, steps=steps, batch_size=c.batch, lr=c.lr,
                      seed=seed, desc=f"sft {name}", progress=self.progress)
-        self._save(name, model.save_pretrained)
+        self._save(name, lambda path: model.float().save_pretrained(path))
         return f"  trained {name}: SFT loss {losses[0]:.2f} -> {np.mean(losses[-20:]):.3f} ({steps} steps)"
 
     def build(self):

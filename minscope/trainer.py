@@ -28,6 +28,7 @@ from .errors import RunStopped
 from .grpo import aggregation_weights, kl_log_ratio, token_loss
 from .logprobs import fused_grpo_token_loss, token_logprobs
 from .models import final_hidden_states, output_embedding, trainable_parameters, use_adapter
+from .precision import round_parameters, work_dtype
 from .rollout import training_batch
 
 
@@ -98,7 +99,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     """
     if cfg.skip_zero_signal and zero_signal(distributed.all_sum(advantages.abs().sum()).reshape(1)):
         return skipped_update(episodes, key, pad_id, "every advantage is 0 (no group's rewards differ)")
-    batch = training_batch(episodes, key, pad_id)
+    batch = training_batch(episodes, key, pad_id, dtype=work_dtype(model))
     device = next(model.parameters()).device
     adv = advantages[batch.index].to(device)                                     # [B]
     ids, attn = batch.input_ids.to(device), batch.attention_mask.to(device)
@@ -157,6 +158,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         if finite and math.isfinite(grad_norm):
             optimizer.step()
+            round_parameters(params)      # float64 (the toy's) only: minscope/precision.py
             for k, v in epoch.items():
                 sums[k] += v
             sums["grad_norm"] += grad_norm

@@ -5,11 +5,13 @@ import torch
 
 from minscope import lean, rollout
 from minscope.models import add_adapters, build_tiny_model, use_adapter
+from minscope.precision import to_float64
 
 
-@pytest.fixture(scope="module")
-def llama(tokenizer):
-    return build_tiny_model(tokenizer, "llama", hidden_size=32, num_layers=2)
+@pytest.fixture(scope="module", params=["float32", "float64"])
+def llama(tokenizer, request):
+    model = build_tiny_model(tokenizer, "llama", hidden_size=32, num_layers=2)
+    return to_float64(model) if request.param == "float64" else model     # the toy's: float64
 
 
 def both_paths(model, prompts, monkeypatch, **kw):
