@@ -468,7 +468,8 @@ def logged_dialogues(run_dir: Path) -> list:
         mine = [r for r in recs if r["kind"] == kind]
         for r in ([mine[0], mine[-1]] if len(mine) > 1 else mine):
             out.append((f"{what}, step {r['step']}",
-                        [(f"with {d['with']}, task {d['task']}, reward {d['reward']:.3f}", d["text"])
+                        [(f"with {d['with']}, task {d['task']}, reward {d['reward']:.3f}"
+                          + (f" ({d['note']})" if d.get("note") else ""), d["text"])
                          for d in r["dialogues"]]))
     return out
 

@@ -53,6 +53,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import distributed
+from .envs.base import task_label
 from .evaluate import eval_seed, evaluate_panel, isolated_rng
 from .files import RunLock, read_jsonl, save_atomic, truncate_log, write_text_atomic
 from .files import load_state as load_state_file
@@ -190,8 +191,12 @@ def evaluate_and_save(env, models, method, tasks, split, step, run_dir,
 
 def dialogue(env, ep, who: str) -> dict:
     """One sampled dialogue, as the report shows it."""
-    return {"with": who, "task": str(getattr(ep.task, "id", "?")), "reward": ep.reward,
-            "text": format_episode(ep, (env.agent_name, env.partner_name))}
+    out = {"with": who, "task": task_label(ep.task), "reward": ep.reward,
+           "text": format_episode(ep, (env.agent_name, env.partner_name))}
+    note = getattr(env, "reward_note", lambda ep: None)(ep)
+    if note:
+        out["note"] = note
+    return out
 
 
 def reward_curve(records: list[dict]) -> list[str]:

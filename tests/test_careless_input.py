@@ -420,3 +420,23 @@ def test_a_scripted_partner_run_records_no_domain_and_prints_no_divergence_note(
     check_args(args, Numbers())
     assert "divergence alarm" not in capsys.readouterr().err
     assert train_cli.parse_args(["--env", "tau2", "--policy", "x"]).domain == "retail"
+
+
+def test_report_dialogues_name_their_task_and_say_why_a_numbers_answer_scored_as_it_did():
+    from minscope.envs.base import Episode, Turn, task_label
+    from minscope.envs.numbers import Numbers
+    from minscope.runner import dialogue
+
+    env = Numbers()
+    task = env.tasks()[0]
+    ep = Episode(task=task, group=0, turns=[Turn("partner", task), Turn("agent", "50, or indeed 51")])
+    ep.reward = env.score(ep)[0]
+    d = dialogue(env, ep, "asker")
+    assert d["task"] == task_label(task) == task and d["reward"] == 0.0
+    assert "50" in d["note"] and "not above" in d["note"]
+    assert "no number" in env.reward_note(Episode(task=task, group=0, turns=[Turn("agent", "fifty-one")]))
+    assert task_label("x" * 100).endswith("…") and len(task_label("x" * 100)) == 40
+
+    class WithId:
+        id = 7
+    assert task_label(WithId()) == "7"

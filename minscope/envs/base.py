@@ -124,3 +124,18 @@ class Environment:
 
     def score(self, episode: Episode) -> tuple[float, dict]:
         raise NotImplementedError
+
+    def reward_note(self, episode: Episode) -> str | None:
+        """One line on why `episode` got its reward, where the text alone does not make it plain
+        (shown beside the dialogue in report.html); None: nothing to add."""
+        return None
+
+
+def task_label(task) -> str:
+    """A short name of a task for the reports: its id or name, else its text (cut at 40)."""
+    for attr in ("id", "name", "task_id"):
+        value = getattr(task, attr, None)
+        if value is not None:
+            return str(value)
+    text = " ".join(str(task).split())
+    return text if len(text) <= 40 else text[:39] + "…"

@@ -58,6 +58,14 @@ class Numbers(Environment):
         number = first_number(answers[-1]) if answers else None
         return float(number is not None and number > self.threshold), {"number": number}
 
+    def reward_note(self, episode):
+        answers = episode.texts("agent")
+        number = first_number(answers[-1]) if answers else None
+        if number is None:
+            return "reward 0: the answer writes no number in digits"
+        verdict = "above" if number > self.threshold else "not above"
+        return f"the checker reads the first number, {number:g}, {verdict} {self.threshold:g}"
+
 
 class Asker:
     """The scripted partner: makes the episode's request, word for word."""
