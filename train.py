@@ -4,8 +4,7 @@ With no arguments this runs the toy persuasion experiment offline, on the CPU (a
 there is a GPU: its models are 64 wide, one process per core suits them): Base, RL (Single),
 Verbalized Sampling, Ensemble, Co-Training, Population Co-Training and an oracle arm are
 trained for 3 seeds each on tiny language models and evaluated on a held-out panel, in one
-process per available CPU core: 11 min 37 s on two free cores, cold (23 CPU-minutes; about
-4 minutes on eight, from the arms' measured times; docs/RESULTS.md "Runtime").
+process per available CPU core: 13 min on two free cores, cold (docs/RESULTS.md "Runtime").
 The tiny models ship with the code (minscope/toy_weights), so a first run trains none; a
 progress line after each arm says how many are done and the time left. Ctrl-C
 loses at most one step (--resume continues). Results land in runs/<name>/ (report.md,

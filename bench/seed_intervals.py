@@ -1,7 +1,7 @@
 """Seed-level intervals re-derived from the per-seed values a results table already shows.
 
-    python bench/seed_intervals.py docs/RESULTS.md "## The default run, cold"
-    python bench/seed_intervals.py docs/RESULTS.md "## Six seeds (current code)"
+    python bench/seed_intervals.py docs/RESULTS.md "## The default run"
+    python bench/seed_intervals.py docs/ARCHIVE.md "### Six seeds"
 
 Reads the first markdown table after the heading that starts with the given text, takes each
 row's "per seed" column (values such as `.241 .169 .103`, in seed order), and prints each arm's

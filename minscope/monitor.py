@@ -31,7 +31,7 @@ An alarm is logged once per signal, when it first fires (`{"kind": "alarm", "ste
 "alarm_<signal>": value, ...}`); the caller prints one console line per run or arm. The
 state is a function of the records alone, so a resumed run replays its log (`replay`).
 The default thresholds of zero_var, entropy and mode_prob were derived on seeds 3-5 of the
-default settings (never reported as the headline; docs/RESULTS.md, "The collapse monitor"):
+default settings by the float32 code (never reported as the headline; docs/ARCHIVE.md, "The collapse monitor: thresholds"):
 `python -m minscope.monitor RUN --derive` sets each one 0.05 past the furthest reading of the
 arms that end above the untrained policy (`derive_thresholds`). There the Ensemble ended well
 above the untrained policy with half its groups zero-variance and its simulators' mode

@@ -38,8 +38,8 @@ def is_toy_variant(tweak: str) -> bool:
 
 @dataclass
 class ToyConfig:
-    """Settings of the toy experiment (defaults: the headline run, 21 arms, ~23 CPU-minutes:
-    11 min 37 s cold on 2 free cores; docs/RESULTS.md, "Runtime of the current code")."""
+    """Settings of the toy experiment (defaults: the headline run, 21 arms: 13 min cold on 2
+    free cores; docs/RESULTS.md, "Runtime of the current code")."""
     name: str = "toy"
     methods: tuple = TOY_METHODS          # "base" = the untrained policy, evaluated only
     seeds: tuple = (0, 1, 2)
@@ -61,7 +61,7 @@ class ToyConfig:
     epochs: int = 2
     # the trained simulator's reward: the paper's for P4G, which the toy stands in for (the
     # best of four Population variants on the search seeds 100-102: bench/cotrain_search.py,
-    # docs/RESULTS.md "Population Co-Training: the search")
+    # docs/ARCHIVE.md "Population Co-Training: the search")
     sim_reward: str = "adversarial"
     # The trained simulator's optimiser (Co-Training, Population Co-Training): the paper's, which
     # trains every model with a KL of 0.005 to its start and weight decay 0.1, one pass per batch
