@@ -61,3 +61,13 @@ def test_logprob_benchmark_runs_new_path_and_reports_missing_peers(tmp_path):
         line = next(ln for ln in run.stdout.splitlines() if ln.startswith(peer))
         assert "ms" in line or "unavailable: cannot import" in line or "failed:" in line
     assert "Triton kernels in the interpreter" in run.stdout
+
+
+def test_every_bench_script_has_a_line_in_bench_readme():
+    """bench/README.md says, per script, what it measures and how long it takes: a new script
+    without its line there fails here."""
+    rows = [line for line in (BENCH / "README.md").read_text().splitlines() if line.startswith("| `")]
+    listed = {line.split("`")[1] for line in rows}
+    scripts = {p.name for p in BENCH.glob("*.py")} | {p.name for p in BENCH.glob("*.sh")}
+    assert scripts - listed == set(), "add a line to bench/README.md for each"
+    assert listed - scripts == set(), "bench/README.md lists scripts that no longer exist"
