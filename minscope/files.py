@@ -6,17 +6,18 @@ these functions. Reads: a damaged file stops the run with one message naming the
 (`RunFileError`), except the one damage an interruption does leave behind, a half-written
 last line of an append-only JSONL log, which is dropped with a note.
 
-`RunLock` keeps two processes from training in one run folder at once.
+`RunLock` keeps two processes from training in one run folder at once (POSIX: `fcntl.flock`;
+Windows: `msvcrt.locking`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -118,10 +119,16 @@ def truncate_log(path: Path, last_step: int) -> None:
 
 
 # --------------------------------------------------------------------------- run lock
+WINDOWS = os.name == "nt"
+
+
 def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists (signal 0 checks without sending anything)."""
+    """Whether process `pid` exists (signal 0 checks without sending anything; on Windows,
+    where os.kill(pid, 0) would terminate the process, the process is opened and asked)."""
     if pid <= 0:
         return False
+    if WINDOWS:
+        return _windows_pid_alive(pid)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -129,6 +136,27 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:       # exists, owned by someone else
         return True
     return True
+
+
+def _windows_pid_alive(pid: int) -> bool:
+    import ctypes
+    from ctypes import wintypes
+
+    kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    kernel32.OpenProcess.restype = wintypes.HANDLE
+    kernel32.OpenProcess.argtypes = (wintypes.DWORD, wintypes.BOOL, wintypes.DWORD)
+    kernel32.GetExitCodeProcess.argtypes = (wintypes.HANDLE, ctypes.POINTER(wintypes.DWORD))
+    kernel32.CloseHandle.argtypes = (wintypes.HANDLE,)
+    handle = kernel32.OpenProcess(0x1000, False, pid)     # PROCESS_QUERY_LIMITED_INFORMATION
+    if not handle:
+        return ctypes.get_last_error() == 5                # ERROR_ACCESS_DENIED: it exists, someone else's
+    try:
+        code = wintypes.DWORD()
+        if not kernel32.GetExitCodeProcess(handle, ctypes.byref(code)):
+            return True
+        return code.value == 259                           # STILL_ACTIVE
+    finally:
+        kernel32.CloseHandle(handle)
 
 
 class RunLock:
@@ -140,7 +168,8 @@ class RunLock:
     to `lock` (a link never replaces an existing file), so no process ever reads an empty
     lock. Checking a holder and taking over a dead one's lock happen under an `flock` of the
     run folder itself, which the kernel releases when its process dies: two processes that both
-    find a stale lock cannot both remove it and both take it."""
+    find a stale lock cannot both remove it and both take it. (Windows, which cannot lock a
+    folder: a `msvcrt.locking` byte lock of `RUN_DIR/lock.guard`, also dropped with its process.)"""
 
     def __init__(self, run_dir, warn=note):
         self.path = Path(run_dir) / "lock"
@@ -204,10 +233,41 @@ class RunLock:
 @contextlib.contextmanager
 def _folder_lock(folder: Path):
     """An exclusive `flock` of `folder` (its directory file), held for the block: the kernel
-    drops it when the process exits, so a killed holder never leaves it stale."""
+    drops it when the process exits, so a killed holder never leaves it stale. Windows: see
+    `_windows_folder_lock`."""
+    if WINDOWS:
+        with _windows_folder_lock(folder):
+            yield
+        return
+    import fcntl
+
     fd = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)            # closing the descriptor releases the flock
+
+
+@contextlib.contextmanager
+def _windows_folder_lock(folder: Path):
+    """Windows opens no folder as a file: the lock is on the first byte of `folder/lock.guard`
+    (`msvcrt.locking`, which Windows drops when the process exits). LK_NBLCK is tried until it
+    succeeds, as flock waits; LK_LOCK would give up after 10 seconds."""
+    import msvcrt
+
+    fd = os.open(Path(folder) / "lock.guard", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        while True:
+            try:
+                msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+                break
+            except OSError:
+                time.sleep(0.01)
+        try:
+            yield
+        finally:
+            os.lseek(fd, 0, os.SEEK_SET)
+            msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+    finally:
+        os.close(fd)
