@@ -41,7 +41,7 @@ def save_atomic(obj, path: Path) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Path.write_text, atomically."""
-    _replace(path, lambda tmp: tmp.write_text(text))
+    _replace(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def note(msg: str) -> None:
@@ -54,7 +54,7 @@ def read_jsonl(path: Path, warn=note) -> list[dict]:
     RunFileError naming the file and the line."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise RunFileError(f"{path}: cannot read it ({e})") from None
     numbered = [(i + 1, ln) for i, ln in enumerate(lines) if ln.strip()]
@@ -81,7 +81,7 @@ def read_json(path: Path) -> dict:
     """A JSON object (config.json, best.json), or RunFileError naming the file."""
     path = Path(path)
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(path.read_text(encoding="utf-8"))
     except RecursionError:
         raise RunFileError(f"{path} is damaged: not readable JSON (nested too deeply)") from None
     except FileNotFoundError:
