@@ -1,7 +1,7 @@
 """Re-execute notebooks in place with their full settings (not the test suite's fast mode), so
 that they are stored with the outputs a reader gets:
 
-    python notebooks/execute.py                        # 01-05, the CPU notebooks
+    python notebooks/execute.py                        # all six (06's GPU cells skip without a CUDA GPU)
     python notebooks/execute.py 01_simulator_collapse  # one
 
 One at a time, each in a fresh Jupyter kernel, the tiny models built cold in a temporary cache.
@@ -18,7 +18,7 @@ from nbclient import NotebookClient
 
 HERE = Path(__file__).resolve().parent
 CPU_NOTEBOOKS = ["01_simulator_collapse", "02_grpo_from_scratch", "03_fused_logprobs", "04_verbalized_sampling",
-                 "05_cotraining_and_population"]
+                 "05_cotraining_and_population", "06_real_models"]
 
 
 def main(names):
