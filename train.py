@@ -188,11 +188,13 @@ def build_parser():
                         "both parties together (p4g default 10: 5 persuader, 5 persuadee; tau2 default 30; tool "
                         "results do not count). p4g needs an even N, so that the persuadee, whose last stated "
                         "amount is the reward, has the last word; fewer turns make a step cheaper")
-    g_real.add_argument("--p4g-reward", choices=("parsed", "expected"), help="p4g: the reward. parsed (default, the "
-                        "paper's): the last amount the persuadee stated, / $2. expected: after the dialogue the persuadee "
-                        "is asked for its decision and read: its expected gift under its next-token probabilities of "
-                        "0/1/2 after '[DONATE $', / 2 (a small model rarely writes a tag); a differently worded question "
-                        "and the parsed reward are logged beside it as held-out readings")
+    g_real.add_argument("--p4g-reward", choices=("parsed", "expected", "sampled"), help="p4g: the reward. parsed "
+                        "(default, the paper's): the last amount the persuadee stated, / $2. expected: after the dialogue "
+                        "the persuadee is asked for its decision; its reply begins '[DONATE $' and it samples the amount "
+                        "in its own token stream (trained with its turns when it is trained); the policy is paid the "
+                        "expected amount under the persuadee's sampling distribution, / 2 (exact, lower variance), the "
+                        "persuadee by the amount it sampled. sampled: the policy is paid the sampled amount too. A "
+                        "differently worded question and the parsed reward are logged beside it as held-out readings")
     g_real.add_argument("--coder-turns", type=whole(1), help="cooperbench: model turns per coder (default 50)")
     g_real.add_argument("--bash", action="store_true", help="cooperbench: also give the coders a bash tool "
                         "(run in the same sandbox as their tests)")

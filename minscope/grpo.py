@@ -24,11 +24,13 @@ import torch
 from .precision import widen
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6):
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, std_floor: float = 0.0):
     """Z-score rewards within groups of `group_size` consecutive rows.
 
     rewards: [B] with B = n_groups * group_size. Returns (advantages [B], zero_var [n_groups]
-    bool). A group with zero spread gets advantage 0 everywhere.
+    bool). A group with zero spread gets advantage 0 everywhere. std_floor: the z-score
+    divides by max(std, std_floor), so a group of continuous rewards that differ by less than
+    the reward's resolution gets small advantages instead of +-1 (P4G's read rewards).
     """
     rewards = widen(rewards)     # float64 stays float64 (the toy: minscope/precision.py)
     if rewards.numel() % group_size:
@@ -37,7 +39,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6):
     mean = r.mean(dim=1, keepdim=True)
     std = r.std(dim=1, unbiased=False, keepdim=True)     # population std, as in the paper
     zero_var = std.squeeze(1) < eps
-    adv = torch.where(std < eps, torch.zeros_like(r), (r - mean) / std.clamp_min(eps))
+    adv = torch.where(std < eps, torch.zeros_like(r), (r - mean) / std.clamp_min(max(eps, std_floor)))
     return adv.view(-1), zero_var
 
 

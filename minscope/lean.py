@@ -25,7 +25,8 @@ MAX_HIDDEN = 256          # only tiny models: above this the general path costs 
 
 
 def lean_forward(model):
-    """A function (input_ids, mask, position_ids, cache, adapter_names) -> last logits [B, V]
+    """A function (input_ids, mask, position_ids, cache, adapter_names, keep=1) -> last logits [B, V]
+    (or the last `keep` positions' [B, keep, V])
     equivalent to `model(...)` as `rollout._Forward` calls it, or None if `model` is not a
     tiny Llama (with or without vanilla LoRA adapters) on the CPU."""
     try:
@@ -103,7 +104,7 @@ class _LeanLlama:
         self.head_dim, self.groups_kv, self.scaling = attn.head_dim, attn.num_key_value_groups, attn.scaling
 
     @torch.no_grad()
-    def __call__(self, input_ids, mask, position_ids, cache, adapter_names=None):
+    def __call__(self, input_ids, mask, position_ids, cache, adapter_names=None, keep: int = 1):
         groups = None
         if adapter_names is not None:   # peft's sub-batches: the rows of each adapter
             groups = [(name, [i for i, n in enumerate(adapter_names) if n == name]) for name in set(adapter_names)]
@@ -148,4 +149,5 @@ class _LeanLlama:
                         groups)
             h = residual + x
         h = _rms_norm(lm.norm, h)
-        return widen(_linear(self.base.lm_head, h[:, -1:, :], groups)[:, -1])
+        logits = widen(_linear(self.base.lm_head, h[:, -keep:, :], groups))
+        return logits[:, -1] if keep == 1 else logits

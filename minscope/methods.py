@@ -151,10 +151,10 @@ def resolve_sim_baseline(reward: str, baseline: str = "auto") -> str:
 
 
 def simulator_advantages(sim_rewards: torch.Tensor, group_size: int, reward: str,
-                         baseline: str = "auto") -> torch.Tensor:
+                         baseline: str = "auto", std_floor: float = 0.0) -> torch.Tensor:
     """Advantages of the trained simulator's episodes (see `resolve_sim_baseline`)."""
     if resolve_sim_baseline(reward, baseline) == "group":
-        return group_advantages(sim_rewards, group_size)[0]
+        return group_advantages(sim_rewards, group_size, std_floor=std_floor)[0]
     from . import distributed
 
     if distributed.active():      # torchrun: the baseline of every rank's batch together
@@ -251,7 +251,8 @@ def train_step(method: Method, env, tasks, group_size: int, step: int, first_gro
         m.partner.observe(episodes)       # before any snapshot moves the pool's slots
     # float64 for the toy's float64 models, whose numbers must not depend on the CPU (precision.py)
     rewards = torch.tensor([ep.reward for ep in episodes], dtype=work_dtype(m.policy.model))
-    adv, zero_var = group_advantages(rewards, group_size)
+    floor = getattr(env, "reward_std_floor", 0.0)      # continuous rewards (P4G's read ones)
+    adv, zero_var = group_advantages(rewards, group_size, std_floor=floor)
     train_eps, train_adv = episodes, adv
     if m.name == "selfplay":   # the policy played both roles: one update on both roles' tokens
         train_eps = episodes + partner_turns_as_agent(episodes)
@@ -268,9 +269,19 @@ def train_step(method: Method, env, tasks, group_size: int, step: int, first_gro
                "skipped_update": bool(p.get("skipped_update", False))}
     if p.get("skipped_update"):
         metrics["skip_reason"] = p["skip_reason"]
+    if floor:       # where the groups' spreads sit against the floor (min, median, max)
+        spread = rewards.view(-1, group_size).std(dim=1, unbiased=False).sort().values
+        metrics["group_std"] = [spread[0].item(), spread[len(spread) // 2].item(), spread[-1].item()]
     if m.trains_simulator:
-        sim_r = simulator_rewards(rewards, group_size, m.partner.reward)
-        sim_adv = simulator_advantages(sim_r, group_size, m.partner.reward, m.sim_baseline)
+        # The simulator is paid for what it did: where the policy's reward is an expectation
+        # over the simulator's own decision (P4G's read reward), the simulator's reward is built
+        # from the decision it sampled (`env.partner_reward_key`), or its decision tokens' advantage
+        # would not depend on the decision (DESIGN_NOTES, "The persuadee's decision").
+        key = getattr(env, "partner_reward_key", None)
+        basis = rewards if key is None else torch.tensor([ep.info.get(key, ep.reward) for ep in episodes],
+                                                         dtype=rewards.dtype)
+        sim_r = simulator_rewards(basis, group_size, m.partner.reward)
+        sim_adv = simulator_advantages(sim_r, group_size, m.partner.reward, m.sim_baseline, std_floor=floor)
         population = isinstance(m.partner, Population)
         s = grpo_update(m.partner.model, m.partner.trainable_adapter, m.sim_opt, episodes, "partner",
                         sim_adv, m.sim_cfg, m.partner.tokenizer.pad_token_id, row_stats=population)

@@ -212,10 +212,10 @@ def check_args(args, env):
                                  f"--{key} does not apply")
     personas = persona_bank(args, env)
     check_served(args)
-    if getattr(args, "p4g_reward", None) == "expected":
+    if getattr(args, "p4g_reward", None) in ("expected", "sampled"):
         served = [spec for spec in [args.simulator, *(p for p, _ in parse_panel(args.panel))] if is_spec(spec)]
         if served:
-            raise SystemExit(f"--p4g-reward expected reads the persuadee's next-token probabilities, which a served "
+            raise SystemExit(f"--p4g-reward {args.p4g_reward} reads the persuadee's next-token probabilities, which a served "
                              f"simulator does not give: {', '.join(served)}")
     check_panel(args, scripted=env.scripted_partner() is not None)
     if args.method in TRAINS_SIMULATOR and getattr(args, "sim_reward", None) is None:

@@ -92,7 +92,7 @@ def _mean(xs) -> float:
     return float(np.mean(xs)) if len(xs) else float("nan")
 
 
-READINGS = ("readout_decision", "readout_asked", "reward_parsed")
+READINGS = ("readout_decision", "readout_asked", "reward_parsed", "reward_sampled", "readout_coverage")
 
 
 def p4g_summary(episodes) -> dict:
@@ -243,11 +243,14 @@ def p4g_sections(members: dict) -> list[str]:
         out.append(f"| {name} | {_f(s['turns'], 1)} | {_f(s['words'], 1)} | {_f(s['asks'], 2)} | "
                    f"{_f(100 * s['any_ask'], 0)}% |")
     if any(m["summary"].get("readings") for m in members.values()):
-        out += ["", "## Readings of the persuadee (--p4g-reward expected)", "",
-                "Mean over episodes: the training readout (the reward: expected gift after `[DONATE $`, / $2), "
-                "the held-out readout (asked in other words, `I will give $`) and the parsed reward; the policy "
-                "trained on the first only.", "",
-                "| member | training readout | held-out readout | parsed reward |", "|---|---|---|---|"]
+        out += ["", "## Readings of the persuadee (--p4g-reward expected|sampled)", "",
+                "Mean over episodes: the training readout (the expected gift after `[DONATE $`, / $2: the reward "
+                "of `expected`), the held-out readout (asked in other words, `I will give $`), the parsed reward, "
+                "the gift the persuadee sampled in its own stream (/ $2: the reward of `sampled`, and a trained "
+                "persuadee's), and the coverage: the persuadee's probability of writing a readable amount "
+                "(minscope/readout.py).", "",
+                "| member | training readout | held-out readout | parsed reward | sampled decision | coverage |",
+                "|---|---|---|---|---|---|"]
         for name, m in members.items():
             r = m["summary"].get("readings", {})
             out.append(f"| {name} | " + " | ".join(_f(r.get(k)) for k in READINGS) + " |")

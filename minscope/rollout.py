@@ -39,6 +39,7 @@ from .kvcache import KVCache, common_prefix, party_cache, session
 from .lean import lean_forward
 from .models import model_device, use_adapter
 from .precision import widen
+from .readout import DECISION_TOKENS, amount_tokens, expected_amount, read_tokens
 
 
 # --------------------------------------------------------------------------- sampling
@@ -163,35 +164,26 @@ def suffix_batch(prompts: list[list[int]], reused: list[int], pad_id: int, devic
 
 
 @torch.no_grad()
-def next_token_logprobs(model, prompts: list[list[int]], pad_id: int, adapter_names: list[str] | None = None,
-                        cache: KVCache | None = None, owners: list | None = None) -> torch.Tensor:
-    """log-softmax of the next token after each prompt, [B, V] on the CPU (a readout: nothing
-    is sampled, no random number drawn). With a party's kept `cache`, only what it does not
-    hold is fed: after an episode, a readout of the party's view costs the question's few
-    tokens, not the conversation again. The cache then holds the prompts (`record`), so a
-    second readout of the same conversation drops the first one's tokens (`prepare`)."""
+def tail_logits(model, prompts: list[list[int]], pad_id: int, keep: int = 1, adapter_names: list[str] | None = None,
+                cache: KVCache | None = None, owners: list | None = None) -> torch.Tensor:
+    """The logits at the last `keep` positions of each prompt, [B, keep, V] on the CPU (a
+    readout: nothing is sampled, no random number drawn). With a party's kept `cache`, only
+    what it does not hold is fed: after an episode, a readout of the party's view costs the
+    question's few tokens, not the conversation again. The cache then holds the prompts
+    (`record`), so the next readout of the same conversation drops this one's tokens."""
     device = model_device(model)
     model.eval()
     cache = KVCache() if cache is None else cache
     owners = [object() for _ in prompts] if owners is None else owners
     reused = cache.prepare(owners, prompts, device)
+    for r, (k, p) in enumerate(zip(reused, prompts)):
+        if k > len(p) - keep:             # the positions read must be fed again
+            cache.crop_row(r, len(p) - keep)
+            reused[r] = len(p) - keep
     cache.last_prefilled = [len(p) - k for p, k in zip(prompts, reused)]
-    logits = _Forward(model, cache, adapter_names)(*suffix_batch(prompts, reused, pad_id, device))
+    logits = _Forward(model, cache, adapter_names)(*suffix_batch(prompts, reused, pad_id, device), keep=keep)
     cache.record(owners, prompts)
-    return torch.log_softmax(widen(logits), dim=-1).cpu()
-
-
-def choice_token_ids(chat, answer_prefix: str, choices: list[str]) -> list[int]:
-    """The token each choice starts with when written right after `answer_prefix` (a choice
-    must be one token there: "0", "1", "2" after "[DONATE $" for SmolLM2's tokenizer)."""
-    head = text_ids(chat, answer_prefix)
-    out = []
-    for c in choices:
-        ids = text_ids(chat, answer_prefix + c)
-        if ids[:len(head)] != head or len(ids) != len(head) + 1:
-            raise ValueError(f"the choice {c!r} is not one token after {answer_prefix!r} for this tokenizer")
-        out.append(ids[-1])
-    return out
+    return (logits[:, None] if keep == 1 else logits).cpu()
 
 
 # Shorter common prefixes are prefilled by every row: not worth a forward of their own (and the
@@ -286,20 +278,21 @@ class _Forward:
         if self.names is not None:
             self.names = [self.names[i] for i in keep]
 
-    def __call__(self, input_ids, real, position):
+    def __call__(self, input_ids, real, position, keep: int = 1):
+        """Logits of the last position [B, V], or of the last `keep` positions [B, keep, V]."""
         c, s = self.cache, input_ids.shape[1]
         c.reserve(s, input_ids.device)
         c.mask[:c.front, c.width:c.width + s] = real
         mask = c.attention_mask(s, self.dtype, self.additive)
         if self.lean is not None:     # the same operations without the general forward's overhead
-            logits = self.lean(input_ids, mask, position, c, self.names)
+            logits = self.lean(input_ids, mask, position, c, self.names, keep)
             c.advance(s)
             return logits
         extra = {"adapter_names": self.names} if self.names is not None else {}
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position,
-                         use_cache=True, logits_to_keep=1, **{self.cache_kw: c}, **extra)
+                         use_cache=True, logits_to_keep=keep, **{self.cache_kw: c}, **extra)
         c.advance(s)
-        return widen(out.logits[:, -1])
+        return widen(out.logits[:, -1] if keep == 1 else out.logits[:, -keep:])
 
 
 # --------------------------------------------------------------------------- views
@@ -361,6 +354,13 @@ class Stream:
         self.text += delta
         self.messages = [dict(m) for m in messages]
         self.sampled_end = ""
+
+    def extend_forced(self, ids: list[int], text: str):
+        """Append ids this party did not sample (the start of an answer it is made to give)."""
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logp += [0.0] * len(ids)
+        self.text += text
 
     def extend_sampled(self, ids: list[int], logp: list[float], text: str, shown: str | None = None,
                        end: str = ""):
@@ -547,38 +547,67 @@ class LMSpeaker:
             count["params"] = parameter_count(self.model, name)     # N, for the FLOPs estimate
         return ids, logps
 
-    def read_choice(self, episodes: list[Episode], env, question: str | None, answer_prefix: str,
-                    choices: list[str]) -> list[list[float]]:
-        """After the episodes, this party's probabilities of each of `choices` (renormalised
-        over them) as the next token of its own reply that begins with `answer_prefix`, after
-        `question` (a user message; None: none). Each episode is read through the adapter that
-        played it; inside the rollout's session the party's kept KV cache is reused. The
-        episodes' own streams are left as they are (a copy is extended)."""
-        prompts = []
+    def read_amount(self, episodes: list[Episode], env, question: str | None, answer_prefix: str,
+                    decide: bool = False) -> list[dict]:
+        """After the episodes, the amount this party states when asked `question` (a user
+        message; None: none) and its reply begins with `answer_prefix` (minscope/readout.py):
+        per episode {"amount": expected dollars given a readable amount, "coverage": the
+        probability that it writes a readable one}, both under its sampling distribution (its
+        temperature; greedy at 0). Each episode is read through the adapter that played it;
+        inside the rollout's session the party's kept KV cache is reused.
+
+        decide=False: a held-out reading; the episodes' own streams are left as they are (a
+        copy is extended). decide=True: the question and the prefix join this party's own
+        stream (mask 0) and it samples its decision there (`readout.DECISION_TOKENS` tokens,
+        mask 1, with their log-probs), so a trained party learns it like any of its turns;
+        the entry also holds "stated" (the sampled reading, None if unreadable) and "text"."""
+        chat = self.chat
+        tok = amount_tokens(lambda t: text_ids(chat, t), answer_prefix)
+        streams = []
         for ep in episodes:
-            mine = ep.info.get("streams", {}).get(self.role) or Stream()
-            probe = Stream(ids=list(mine.ids), mask=list(mine.mask), logp=list(mine.logp), text=mine.text,
-                           exact=mine.exact, messages=list(mine.messages), sampled_end=mine.sampled_end)
+            mine = ep.info.setdefault("streams", {}).setdefault(self.role, Stream())
+            s = mine if decide else Stream(ids=list(mine.ids), mask=list(mine.mask), logp=list(mine.logp),
+                                           text=mine.text, exact=mine.exact, messages=list(mine.messages),
+                                           sampled_end=mine.sampled_end)
             messages, tools = self.messages_for(env, ep)
             if question:
                 messages = messages + [{"role": "user", "content": question}]
-            probe.extend_prompt(self.chat, messages, tools)
-            prompts.append(probe.ids + text_ids(self.chat, answer_prefix))
-        tokens = choice_token_ids(self.chat, answer_prefix, choices)
+            s.extend_prompt(chat, messages, tools)
+            s.extend_forced(text_ids(chat, answer_prefix), answer_prefix)
+            streams.append(s)
+        prompts = [s.ids for s in streams]
         cache = party_cache(self) if self.reuse_cache else KVCache()
         names = [self.adapter_of(ep) for ep in episodes]
-        kwargs = dict(pad_id=self.tokenizer.pad_token_id, cache=cache, owners=episodes)
-        if len(set(names)) == 1:
-            with use_adapter(self.model, names[0]):
-                logp = next_token_logprobs(self.model, prompts, **kwargs)
-        else:
-            logp = next_token_logprobs(self.model, prompts, adapter_names=[n or "__base__" for n in names], **kwargs)
-        p = logp[:, tokens].exp()
-        p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
-        for ep, fed in zip(episodes, cache.last_prefilled):
+        single = len(set(names)) == 1
+        rows = None if single else [n or "__base__" for n in names]
+        pad = self.tokenizer.pad_token_id
+        fed, made = [0] * len(episodes), [0] * len(episodes)
+        with use_adapter(self.model, names[0]) if single else contextlib.nullcontext():
+            probs = []
+            for lead in (0, 1):      # teacher-forced "0." and "1.": every distribution the rules read
+                logits = tail_logits(self.model, [p + [tok.digits[lead], tok.point] for p in prompts], pad, keep=3,
+                                     adapter_names=rows, cache=cache, owners=episodes)
+                fed = [f + n for f, n in zip(fed, cache.last_prefilled)]
+                if self.temperature > 0:
+                    probs.append(torch.softmax(logits / self.temperature, dim=-1))
+                else:
+                    probs.append(torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype))
+            amount, coverage = expected_amount(probs[0], probs[1], tok)
+            out = [{"amount": a, "coverage": c} for a, c in zip(amount.tolist(), coverage.tolist())]
+            if decide:
+                ids, logps = sample(self.model, prompts, pad, self.eos, DECISION_TOKENS, self.temperature,
+                                    adapter_names=rows, cache=cache, owners=episodes)
+                fed = [f + n for f, n in zip(fed, cache.last_prefilled)]
+                made = [len(g) for g in ids]
+                for s, o, gen, lp in zip(streams, out, ids, logps):
+                    text = ids_text(chat, gen)
+                    s.extend_sampled(gen, lp, text)
+                    o.update(stated=read_tokens(gen, tok), text=text)
+        for ep, n, g in zip(episodes, fed, made):
             count = ep.info.setdefault("tokens", {}).setdefault(self.role, {"prefilled": 0, "generated": 0})
-            count["prefilled"] += fed
-        return p.tolist()
+            count["prefilled"] += n
+            count["generated"] += g
+        return out
 
     def respond(self, episodes: list[Episode], env) -> list[Turn]:
         texts, ids, _ = self.generate(episodes, env)
@@ -655,15 +684,20 @@ def rollout(env, tasks, agent, partner, group_size: int = 1, max_batch: int | No
                     if step.next_speaker is None:
                         ep.done = True
             live = [ep for ep in live if not ep.done]
-        # Readouts (P4G's --p4g-reward expected): after the dialogue, the partner that played
-        # each episode is asked a question and its next-token distribution over a few answers
-        # is kept in ep.info["readouts"], for `env.score`; the partner's KV cache is still here.
-        for name, (question, prefix, choices) in (env.readouts() if hasattr(env, "readouts") else {}).items():
-            if not hasattr(partner, "read_choice"):
+        # Readouts (P4G's --p4g-reward expected|sampled): after the dialogue, the partner that
+        # played each episode is asked a question and states an amount (minscope/readout.py),
+        # kept in ep.info["readouts"] for `env.score`; the partner's KV cache is still here. The
+        # environment's `decision` readout is sampled into the partner's own stream (trained
+        # with its turns); the others read a copy, so they go first.
+        reads = env.readouts() if hasattr(env, "readouts") else {}
+        decision = getattr(env, "decision", None)
+        for name in sorted(reads, key=lambda n: n == decision):
+            if not hasattr(partner, "read_amount"):
                 raise ValueError(f"{getattr(env, 'name', 'this environment')}'s readouts need a partner LM "
                                  f"whose next-token probabilities can be read; {type(partner).__name__} has none")
-            for ep, p in zip(episodes, partner.read_choice(episodes, env, question, prefix, choices)):
-                ep.info.setdefault("readouts", {})[name] = p
+            question, prefix = reads[name]
+            for ep, r in zip(episodes, partner.read_amount(episodes, env, question, prefix, decide=name == decision)):
+                ep.info.setdefault("readouts", {})[name] = r
     # Scoring is the environment boundary. An evaluator that raises on one episode (tau2's
     # official checks raise when the agent never created what the task asks about) scores
     # that episode 0 and keeps the error in ep.info["score_error"] (train_step counts them);

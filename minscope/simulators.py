@@ -62,12 +62,12 @@ class Verbalized:
     def assign(self, episodes):
         self.speaker.assign(episodes)
 
-    def read_choice(self, episodes, env, *question):
-        """A readout (`LMSpeaker.read_choice`) is the simulator's own judgement: it reads the
+    def read_amount(self, episodes, env, *question, decide: bool = False):
+        """A readout (`LMSpeaker.read_amount`) is the simulator's own judgement: it reads the
         base simulator, without the VS instruction."""
-        if not hasattr(self.base, "read_choice"):
+        if not hasattr(self.base, "read_amount"):
             raise ValueError(f"{self.base.name}'s next-token probabilities cannot be read (a served simulator)")
-        return self.base.read_choice(episodes, env, *question)
+        return self.base.read_amount(episodes, env, *question, decide=decide)
 
     def respond(self, episodes, env):
         replies: list[Turn | None] = [None] * len(episodes)
@@ -120,15 +120,15 @@ class Ensemble:
         for ep in episodes:
             ep.partner_name = self.members[(offset + ep.group) % len(self.members)].name
 
-    def read_choice(self, episodes, env, *question):
-        """A readout (`LMSpeaker.read_choice`) of each episode by the member that played it."""
+    def read_amount(self, episodes, env, *question, decide: bool = False):
+        """A readout (`LMSpeaker.read_amount`) of each episode by the member that played it."""
         out: list = [None] * len(episodes)
         for member in self.members:
             idx = [i for i, ep in enumerate(episodes) if ep.partner_name == member.name]
             if idx:
-                if not hasattr(member, "read_choice"):
+                if not hasattr(member, "read_amount"):
                     raise ValueError(f"{member.name}'s next-token probabilities cannot be read (a served simulator)")
-                for i, p in zip(idx, member.read_choice([episodes[i] for i in idx], env, *question)):
+                for i, p in zip(idx, member.read_amount([episodes[i] for i in idx], env, *question, decide=decide)):
                     out[i] = p
         return out
 

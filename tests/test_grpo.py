@@ -133,3 +133,16 @@ def test_curriculum_reward_peaks_at_variance_quarter_and_is_shared_by_group():
     assert half[2:].tolist() == pytest.approx([math.exp(-0.0625 / 0.02)] * 2)  # var 0
     with pytest.raises(ValueError):
         simulator_rewards(torch.zeros(2), 2, "servile")
+
+
+def test_a_std_floor_keeps_near_equal_continuous_rewards_from_getting_full_advantages():
+    """Two groups: readings 1e-3 apart, and readings 0.4 apart. Without a floor both get +-1;
+    with the read rewards' floor (0.05) the first gets +-0.01 and the second is unchanged."""
+    from minscope.envs.p4g import READ_STD_FLOOR
+
+    r = torch.tensor([0.300, 0.301, 0.1, 0.5], dtype=torch.float64)
+    plain, _ = group_advantages(r, 2)
+    floored, zero_var = group_advantages(r, 2, std_floor=READ_STD_FLOOR)
+    assert plain.tolist() == pytest.approx([-1, 1, -1, 1])
+    assert floored.tolist() == pytest.approx([-0.01, 0.01, -1, 1])
+    assert not zero_var.any()

@@ -290,47 +290,105 @@ def test_a_damaged_state_is_one_message_before_any_model_loads(tmp_path, single_
 # --------------------------------------------------------------------------- --p4g-reward expected
 def test_the_expected_reward_reads_the_persuadee_through_its_kept_cache(model_dirs):
     """After the dialogue the persuadee is read at two decision points: the readings equal a
-    reading of the whole conversation from scratch, while the readout itself fed only the
-    question's few tokens; the episodes are those of a parsed-reward rollout with the same
-    seed (a readout draws no random number)."""
+    reading of the whole conversation from scratch, while the readouts fed only the
+    questions' few tokens; the dialogues are those of a parsed-reward rollout with the same
+    seed (the decision is drawn after them). The decision's tokens end the persuadee's own
+    stream, sampled (mask 1, their log-probs); the held-out question is not in it."""
     from minscope.envs.p4g import READOUTS
+    from minscope.readout import DECISION_TOKENS
     from minscope.rollout import LMSpeaker, rollout
     from minscope.simulators import Frozen
 
     model, tok = load_model(model_dirs["policy"])
     model = add_adapters(model, ["policy", "simulator"], init_lora_weights=False)   # a persuadee that is not the base
     policy = LMSpeaker(model, tok, "agent", adapter="policy", temperature=1.0, max_new_tokens=6)
-    persuadee = Frozen(model, tok, adapter="simulator", temperature=1.0, max_new_tokens=6)
+    persuadee = Frozen(model, tok, adapter="simulator", temperature=0.7, max_new_tokens=6)
     envs = {r: P4GEnv(P4G_CSV, split="all", max_turns=4, reward=r) for r in ("parsed", "expected")}
     eps = {r: rollout(env, env.tasks()[:2], policy, persuadee, group_size=2, seed=3) for r, env in envs.items()}
     assert [e.transcript() for e in eps["parsed"]] == [e.transcript() for e in eps["expected"]]
     fed = [e.info["tokens"]["partner"]["prefilled"] for e in eps["expected"]]
     without = [e.info["tokens"]["partner"]["prefilled"] for e in eps["parsed"]]
-    conversation = [len(e.info["streams"]["partner"].ids) for e in eps["expected"]]
-    for ep, a, b, n in zip(eps["expected"], fed, without, conversation):
+    for ep, a, b, before in zip(eps["expected"], fed, without, eps["parsed"]):
+        n = len(before.info["streams"]["partner"].ids)
         assert 0 < a - b < 0.5 * n          # two readouts cost less than half the conversation once
         reads = ep.info["readouts"]
         assert set(reads) == set(READOUTS)
-        for probs in reads.values():
-            assert len(probs) == 3 and abs(sum(probs) - 1) < 1e-5 and min(probs) >= 0
-        expected = sum(p * a for p, a in zip(reads["decision"], (0, 1, 2))) / 2
-        assert ep.reward == pytest.approx(expected) == ep.info["readout_decision"]
-        assert 0 <= ep.info["readout_asked"] <= 1 and "reward_parsed" in ep.info
-    for name, (question, prefix, choices) in READOUTS.items():     # from scratch: no cache
-        again = persuadee.read_choice(eps["expected"], envs["expected"], question, prefix, choices)
-        for ep, probs in zip(eps["expected"], again):
-            assert probs == pytest.approx(ep.info["readouts"][name], abs=1e-5), name
+        for r in reads.values():
+            assert 0 <= r["amount"] <= 2 and 0 <= r["coverage"] <= 1
+        assert ep.reward == pytest.approx(reads["decision"]["amount"] / 2) == ep.info["readout_decision"]
+        assert ep.info["readout_coverage"] == reads["decision"]["coverage"]
+        assert 0 <= ep.info["readout_asked"] <= 1 and "reward_parsed" in ep.info and "reward_sampled" in ep.info
+        stream = ep.info["streams"]["partner"]
+        assert stream.ids[:n] == before.info["streams"]["partner"].ids      # the dialogue, then the decision
+        assert stream.mask[-DECISION_TOKENS:] == [1] * DECISION_TOKENS
+        assert all(lp < 0 for lp in stream.logp[-DECISION_TOKENS:])
+        assert READOUTS["decision"][0] in stream.text and READOUTS["asked"][0] not in stream.text
+        assert stream.text.endswith("[DONATE $" + ep.info["decision_text"])
+    for name, (question, prefix) in READOUTS.items():     # from scratch: no cache, the dialogue's streams
+        for ep, before in zip(eps["expected"], eps["parsed"]):
+            ep.info["streams"]["partner"] = before.info["streams"]["partner"]
+        again = persuadee.read_amount(eps["expected"], envs["expected"], question, prefix)
+        for ep, r in zip(eps["expected"], again):
+            for key in ("amount", "coverage"):
+                assert r[key] == pytest.approx(ep.info["readouts"][name][key], abs=1e-5), name
+
+
+def test_a_simulator_update_moves_the_decision_it_is_paid_for(model_dirs):
+    """Co-Training's update trains the persuadee's sampled decision: one step with advantage
+    +1 on every episode raises the log-probability of the decisions it sampled (their sum: the
+    episodes share parameters, so single ones may move either way), and from the same start
+    one with -1 lowers it."""
+    from minscope.models import use_adapter
+    from minscope.readout import DECISION_TOKENS
+    from minscope.rollout import LMSpeaker, rollout, training_batch
+    from minscope.simulators import Trainable
+    from minscope.trainer import UpdateConfig, grpo_update, make_optimizer
+
+    model, tok = load_model(model_dirs["policy"])
+    model = add_adapters(model, ["policy", "simulator"], init_lora_weights=False)
+    policy = LMSpeaker(model, tok, "agent", adapter="policy", temperature=1.0, max_new_tokens=4)
+    persuadee = Trainable(model, tok, temperature=1.0, max_new_tokens=4)
+    env = P4GEnv(P4G_CSV, split="all", max_turns=2, reward="expected")
+    eps = rollout(env, env.tasks()[:2], policy, persuadee, group_size=4, seed=0)
+    for ep in eps:        # train the decision tokens only, so that only they can move them
+        s = ep.info["streams"]["partner"]
+        s.mask = [0] * (len(s.mask) - DECISION_TOKENS) + [1] * DECISION_TOKENS
+    batch = training_batch(eps, "partner", tok.pad_token_id)
+    ends = (batch.attention_mask.sum(1) - 1).tolist()          # the last target position of each row
+
+    def decision_logp():
+        model.eval()
+        with torch.no_grad(), use_adapter(model, "simulator"):
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        lp = torch.log_softmax(logits.double(), -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+        return torch.stack([lp[r, e - DECISION_TOKENS:e].sum() for r, e in enumerate(ends)])
+
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if "simulator" in n}
+    before = decision_logp()
+    for sign in (1.0, -1.0):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in start:
+                    p.copy_(start[n])
+        cfg = UpdateConfig(lr=1e-3)
+        adv = torch.full((len(eps),), sign, dtype=torch.float64)
+        grpo_update(model, "simulator", make_optimizer(model, "simulator", cfg), eps, "partner", adv, cfg,
+                    tok.pad_token_id)
+        moved = (decision_logp() - before) * sign
+        assert moved.sum() > 0.1, (sign, moved)
 
 
 def test_a_run_with_the_expected_reward_logs_every_reading(tmp_path, model_dirs):
     run_dir = train(tmp_path, model_dirs, "population", "--p4g-reward", "expected", "--max-turns", "2")
     (step,) = records(run_dir, "train")
     assert step["train_reward"] == pytest.approx(step["readout_decision"])
+    readings = {"readout_decision", "readout_asked", "reward_parsed", "reward_sampled", "readout_coverage"}
     for rec in (step, *records(run_dir, "eval")):
-        assert {"readout_decision", "readout_asked", "reward_parsed"} <= set(rec)
+        assert readings <= set(rec)
+    assert len(step["group_std"]) == 3              # the groups' spreads beside the std floor
     res = evaluate_run(run_dir, episodes=1, max_tasks=2)          # eval.py: the same readings per member
     for member in res["members"].values():
-        assert set(member["summary"]["readings"]) == {"readout_decision", "readout_asked", "reward_parsed"}
+        assert set(member["summary"]["readings"]) == readings
         assert member["summary"]["readings"]["readout_decision"] == pytest.approx(member["summary"]["reward"]["mean"])
     with pytest.raises(SystemExit):           # a flag of P4G's only
         train_cli.main(["--env", "numbers", "--policy", model_dirs["policy"], "--p4g-reward", "expected"])

@@ -20,11 +20,16 @@ Choices made here:
     paper for this benchmark; Verbalized Sampling, when used, applies to the persuadee.
   - `reward="expected"` (train.py --p4g-reward expected) reads the persuadee instead of
     parsing it: after the dialogue the persuadee that played the episode is asked for its
-    decision, its reply is begun with "[DONATE $", and the reward is its expected gift under
-    its next-token probabilities of "0", "1" and "2" (renormalised), / 2. A small model that
-    rarely writes a tag still has a distribution there. A second question in other words
-    ("asked": "I will give $") and the parsed reward are logged beside it, never trained
-    on: a policy that games the training readout shows reward up and those flat.
+    decision, its reply is begun with "[DONATE $", and it samples the amount in its own token
+    stream (three tokens, trained with its turns: minscope/readout.py). The policy's reward
+    is the expected gift under the persuadee's sampling distribution at its temperature, / 2
+    (exact; lower variance than the sampled gift, the same expectation), and the persuadee's
+    own (Co-Training) reward is built from the gift it sampled (`partner_reward_key`): the
+    score-function gradient of its decision needs the reward of the decision it made.
+    `reward="sampled"` pays the policy the sampled gift too. The share of the persuadee's
+    probability that is a readable amount is logged (readout_coverage). A second question in
+    other words ("asked": "I will give $") and the parsed reward are logged beside it, never
+    trained on: a policy that games the training readout shows reward up and those flat.
 
 One file, though long: the prompts, the donation parser and the read reward all define what
 a pledge is, and they are tested as one (tests/test_p4g.py).
@@ -40,14 +45,18 @@ from minscope.envs.base import Environment, Episode
 from minscope.envs.p4g_data import load_p4g, persona_split, render_persona
 
 MAX_DONATION = 2.0
-P4G_REWARDS = ("parsed", "expected")
-# The readouts of reward="expected": name -> (question, the start of the persuadee's answer,
-# the amounts it may continue with). "decision" is the training reward; "asked" is held out.
+P4G_REWARDS = ("parsed", "expected", "sampled")
+# The readouts of reward="expected"|"sampled": name -> (question, the start of the persuadee's
+# answer). "decision" is sampled in the persuadee's stream and pays; "asked" is held out.
 READOUTS = {
-    "decision": ("The chat is over. State your final decision now, with the tag.", "[DONATE $", ("0", "1", "2")),
-    "asked": ("Before you go: how many of your $2 will you give to Save the Children?", "I will give $",
-              ("0", "1", "2")),
+    "decision": ("The chat is over. State your final decision now, with the tag.", "[DONATE $"),
+    "asked": ("Before you go: how many of your $2 will you give to Save the Children?", "I will give $"),
 }
+DECISION = "decision"
+# The floor of a group's reward standard deviation in the advantages' z-score, for the read
+# rewards: the reading is to the dime ($0.10 = 0.05 of reward), so a group whose readings differ
+# by less is not a signal worth +-1 advantages (grpo.group_advantages; DESIGN_NOTES).
+READ_STD_FLOOR = 0.05
 MAX_WORDS = 60            # the per-message word limit the prompts state, for long enough turns
 TAG_TOKENS = 10           # "[DONATE $0.50]" is 10 tokens for SmolLM2's tokenizer
 TOKENS_PER_WORD = 1.3     # chat English is about 1.1 for SmolLM2's tokenizer; some room
@@ -359,8 +368,8 @@ not give just because you are asked.
 About you:
 {persona}
 
-If you decide to give, state the amount with a tag: [DONATE $N] (or [GIVE $N]), for \
-example [DONATE $0.50]; to give nothing, write [DONATE $0]. If you change your mind, state \
+If you decide to give, state the amount with a tag, for example [DONATE $0.50] or \
+[DONATE $1] (or [GIVE $1]); to give nothing, write [DONATE $0]. If you change your mind, state \
 the new amount the same way: the last amount you state counts. Reply as this person would \
 in a chat, not as an assistant, and keep each message under {max_words} words."""
 
@@ -417,10 +426,26 @@ class P4GEnv(Environment):
     def first_speaker(self, task) -> str:
         return "agent"
 
+    @property
+    def decision(self) -> str | None:
+        """The readout the persuadee samples in its own stream (rollout.LMSpeaker.read_amount)."""
+        return DECISION if self.reward != "parsed" else None
+
+    @property
+    def partner_reward_key(self) -> str | None:
+        """Where a trained persuadee's reward is built from (methods.train_step): the gift it
+        sampled, not the policy's expected reward (whose advantage would not depend on the
+        decision the persuadee made)."""
+        return "reward_sampled" if self.reward != "parsed" else None
+
+    @property
+    def reward_std_floor(self) -> float:
+        return READ_STD_FLOOR if self.reward != "parsed" else 0.0
+
     def readouts(self) -> dict:
         """What the rollout reads of the persuadee after each episode (READOUTS; none when the
         reward is parsed)."""
-        return READOUTS if self.reward == "expected" else {}
+        return READOUTS if self.reward != "parsed" else {}
 
     def score(self, episode: Episode) -> tuple[float, dict]:
         instructions = (self.partner_messages(episode.task)[0]["content"] if isinstance(episode.task, P4GTask)
@@ -438,19 +463,28 @@ class P4GEnv(Environment):
         if self.reward == "parsed":
             return parsed, info
         reads = episode.info.get("readouts", {})
-        if "decision" not in reads:
-            raise ValueError("--p4g-reward expected: the episode has no readout of its persuadee")
+        if DECISION not in reads:
+            raise ValueError(f"--p4g-reward {self.reward}: the episode has no readout of its persuadee")
         info["reward_parsed"] = parsed
-        for name, probs in reads.items():
-            amounts = [float(c) for c in READOUTS[name][2]]
-            info[f"readout_{name}"] = sum(p * a for p, a in zip(probs, amounts)) / MAX_DONATION
-        return info["readout_decision"], info
+        for name, r in reads.items():
+            info[f"readout_{name}"] = r["amount"] / MAX_DONATION
+        info["readout_coverage"] = reads[DECISION]["coverage"]
+        if "asked" in reads:
+            info["readout_asked_coverage"] = reads["asked"]["coverage"]
+        stated = reads[DECISION].get("stated")
+        info["decision_read"] = stated is not None
+        info["decision_text"] = reads[DECISION].get("text", "")
+        info["reward_sampled"] = (stated or 0.0) / MAX_DONATION     # unreadable: no gift
+        return info["readout_decision" if self.reward == "expected" else "reward_sampled"], info
 
     def readings(self, episodes: list[Episode]) -> dict:
-        """With reward="expected", the means of every reading of the episodes: the training
-        readout (readout_decision, the reward), the held-out one (readout_asked) and the
-        parsed reward (reward_parsed); {} otherwise."""
-        keys = ("reward_parsed", *(f"readout_{name}" for name in READOUTS))
+        """With a read reward, the means of every reading of the episodes: the training
+        readout (readout_decision: the expected gift / 2), the held-out one (readout_asked),
+        the sampled decision (reward_sampled; decision_read: the share readable), the
+        probability of a readable amount at each (readout_coverage, readout_asked_coverage)
+        and the parsed reward (reward_parsed); {} otherwise."""
+        keys = ("reward_parsed", *(f"readout_{name}" for name in READOUTS), "reward_sampled", "decision_read",
+                "readout_coverage", "readout_asked_coverage")
         out = {}
         for key in keys:
             values = [ep.info[key] for ep in episodes if key in ep.info]

@@ -1,0 +1,97 @@
+"""Reading the amount a simulator states: as its own sampled decision, and as an expectation.
+
+P4G's persuadee ends an episode by stating its gift: asked for its decision, its reply begins
+with "[DONATE $" and it writes the amount. For a tokenizer that writes digits one token at a
+time (SmolLM2, Qwen, Llama 2; `amount_tokens` checks it), three tokens decide the amount: a
+digit d, then "." or something else, then the tenths digit. The reading, in dollars, capped at
+2 and to the dime (hundredths are not read):
+
+    d >= 2                 -> 2 (the cap)        "2]", "2.50]", "3]"
+    1, then a digit        -> 2 (ten or more)    "10]"
+    1, ".", tenths t       -> 1 + t/10           "1.50]" -> 1.5
+    1, anything else       -> 1                  "1]", "1 to the charity]"
+    0, ".", tenths t       -> t/10               "0.50]" -> 0.5
+    0, then a digit        -> not read           "05]"
+    0, anything else       -> 0                  "0]"
+    not a digit            -> not read           "N]", "$0]"
+
+Two readings share these rules, so one is exactly the expectation of the other:
+  - `expected_amount`: the sum over amounts of P_T(amount) * amount, divided by the coverage
+    (the probability that what the speaker writes is read at all), where P_T is the speaker's
+    sampling distribution at its temperature. Exact, from two teacher-forced forwards ("0." and
+    "1." after the prefix give every distribution the rules look at); no sampling.
+  - `read_tokens`: the reading of three sampled tokens. The rollout appends them to the
+    speaker's own token stream with loss mask 1 (`rollout.LMSpeaker.read_amount`), so a
+    trained simulator learns the decision it is paid for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CAP = 2.0                 # the most a reading can be (P4G: the persuadee's $2)
+DECISION_TOKENS = 3       # digit, point, tenths: all a reading looks at
+
+
+@dataclass(frozen=True)
+class AmountTokens:
+    digits: tuple[int, ...]     # the ids of "0".."9" right after the prefix (and after a digit)
+    point: int                  # the id of "." after a digit
+    tenths: tuple[int, ...]     # the ids of "0".."9" after "d."
+
+
+def amount_tokens(text_ids, prefix: str) -> AmountTokens:
+    """The ids the rules look at, for the tokenizer behind `text_ids` (text -> ids). Raises a
+    ValueError naming the problem when digits are not one token each after `prefix`."""
+    head = text_ids(prefix)
+
+    def tail(text: str, n: int) -> list[int]:
+        ids = text_ids(prefix + text)
+        if ids[:len(head)] != head or len(ids) != len(head) + n:
+            raise ValueError(f"the amount readout needs a tokenizer that writes {prefix + text!r} as "
+                             f"{prefix!r} plus {n} token(s), one per character; this one does not")
+        return ids[len(head):]
+
+    digits = tuple(tail(d, 1)[0] for d in "0123456789")
+    one, point, five = tail("1.5", 3)
+    if one != digits[1]:
+        raise ValueError(f"the amount readout: '1' after {prefix!r} tokenizes differently before a '.'")
+    tenths = tuple(tail("1." + t, 3)[2] for t in "0123456789")
+    return AmountTokens(digits, point, tenths)
+
+
+def read_tokens(ids: list[int], tok: AmountTokens) -> float | None:
+    """The dollars that sampled ids (what follows the prefix) state, by the rules above; None
+    when they state no readable amount."""
+    digit = {i: n for n, i in enumerate(tok.digits)}
+    if not ids or ids[0] not in digit:
+        return None
+    d = digit[ids[0]]
+    if d >= 2:
+        return CAP
+    nxt = ids[1] if len(ids) > 1 else None
+    if nxt in digit:
+        return CAP if d == 1 else None
+    if nxt == tok.point and len(ids) > 2:
+        tenth = {i: n for n, i in enumerate(tok.tenths)}
+        return d + tenth.get(ids[2], 0) / 10
+    return float(d)
+
+
+def expected_amount(after_0: torch.Tensor, after_1: torch.Tensor, tok: AmountTokens):
+    """(expected dollars given a readable amount [B], coverage [B]) from the speaker's sampling
+    probabilities at the three positions of the teacher-forced "0." (`after_0` [B, 3, V]: after
+    the prefix, after "0", after "0.") and "1." (`after_1`, the same after "1")."""
+    digits, tenths = list(tok.digits), list(tok.tenths)
+    first = after_0[:, 0]                                    # the first digit's distribution
+    p = first[:, digits]                                     # [B, 10]
+    value_of_tenths = torch.arange(10, dtype=first.dtype) / 10
+    q0, r0, q1, r1 = after_0[:, 1], after_0[:, 2], after_1[:, 1], after_1[:, 2]
+    zero = q0[:, tok.point] * (r0[:, tenths] * value_of_tenths).sum(-1)           # "0" then "0.t"
+    q1_digit = q1[:, digits].sum(-1)
+    one = (1 - q1_digit) + CAP * q1_digit + q1[:, tok.point] * (r1[:, tenths] * value_of_tenths).sum(-1)
+    coverage = p.sum(-1) - p[:, 0] * q0[:, digits].sum(-1)
+    total = CAP * p[:, 2:].sum(-1) + p[:, 1] * one + p[:, 0] * zero
+    return total / coverage.clamp_min(1e-30), coverage
