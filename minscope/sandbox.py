@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import os
-import resource
 import shutil
 import subprocess
 import tempfile
@@ -177,6 +176,8 @@ def _limited(cmd: list[str], limits: Limits, cpu_seconds: int, group: Path | Non
     set by `prlimit` and the cgroup joined by `sh` just before they exec, so no Python code
     runs in the forked child (preexec_fn is unsafe in a process with threads); without prlimit
     (macOS) a preexec function sets them instead."""
+    import resource       # POSIX only: imported when a command runs, so the module imports on Windows
+
     nproc = _tasks_of(os.getuid()) + limits.processes      # (the count is per user, not per run)
     wanted = [(resource.RLIMIT_FSIZE, "fsize", limits.file_bytes), (resource.RLIMIT_AS, "as", limits.memory_bytes),
               (resource.RLIMIT_CPU, "cpu", cpu_seconds), (resource.RLIMIT_NPROC, "nproc", nproc),

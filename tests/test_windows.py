@@ -48,8 +48,6 @@ def test_every_module_imports_without_fcntl():
     assert result["imported"] > 40          # the walk found the package (54 modules and the two scripts)
 
 
-@pytest.mark.xfail(strict=True, reason="minscope.sandbox imports `resource` at load time (the cooperbench "
-                   "modules import the sandbox); its limits need it only when a command runs")
 def test_every_module_imports_without_any_posix_only_module():
     assert import_everything(POSIX_ONLY)["failed"] == {}
 
