@@ -3,9 +3,11 @@
 A scripted persuader says one fixed message to each of the first --personas test personas;
 the persuadee (SmolLM2 by default, at the training temperature) answers once, and is then
 read at both decision points (envs/p4g.py READOUTS): the training readout "decision" and the
-held-out "asked". Per message it prints the expected gift in dollars (mean over personas,
-and its standard deviation over them: how much the persona matters), the parsed reward, and
-the share of replies that stated an amount. A reward a policy can learn from should move
+held-out "asked" (minscope/readout.py: the expected gift at the persuadee's temperature, to the
+dime). Per message it prints the expected gift in dollars (mean over personas, and its standard
+deviation over them: how much the persona matters), the probability that the persuadee writes a
+readable amount after `[DONATE $` (coverage), the mean gift it sampled there, the parsed reward,
+and the share of replies that stated an amount. A reward a policy can learn from should move
 with what the message asks, and a persuadee worth training against should answer
 differently for different people.
 
@@ -35,20 +37,6 @@ MESSAGES = {
 }
 
 
-class Says:
-    """A scripted persuader: the same message in every episode."""
-
-    holds_noise = False
-
-    def __init__(self, text: str):
-        self.text = text
-
-    def respond(self, episodes, env):
-        from minscope.envs.base import Turn
-
-        return [Turn("agent", self.text) for _ in episodes]
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", required=True, help="the Persuasion for Good data (as train.py --data)")
@@ -61,7 +49,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    from minscope.envs.p4g import P4GEnv, words_for_tokens
+    from minscope.envs.p4g import P4GEnv, Says, words_for_tokens
     from minscope.models import load_model, quiet
     from minscope.real_models import _attach_adapter, adapter_folder
     from minscope.rollout import rollout
@@ -82,21 +70,23 @@ def main(argv=None):
     print(f"{args.model}{' + ' + args.adapter if adapter else ''} as persuadee, temperature {args.temperature:g}, {args.max_new_tokens} tokens a reply, "
           f"{len(tasks)} test personas, seed {args.seed}; expected gift in dollars: mean over personas "
           "(SD over personas)\n")
-    print("| persuader's message | training readout `[DONATE $` | held-out readout `I will give $` | "
-          "parsed reward | stated an amount | s |")
-    print("|---|---|---|---|---|---|")
+    print("| persuader's message | training readout `[DONATE $` | coverage | sampled decision | "
+          "held-out readout `I will give $` | parsed reward | stated an amount | s |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = {}
     for label, text in MESSAGES.items():
         t0 = time.perf_counter()
-        eps = rollout(env, tasks, Says(text), persuadee, group_size=1, seed=args.seed)
+        eps = rollout(env, tasks, Says([text], per=len(tasks)), persuadee, group_size=1, seed=args.seed)
         seconds = time.perf_counter() - t0
         d = np.array([2 * ep.info["readout_decision"] for ep in eps])
         a = np.array([2 * ep.info["readout_asked"] for ep in eps])
         parsed = np.mean([ep.info["reward_parsed"] for ep in eps])
         stated = np.mean([ep.info["donation_stated"] for ep in eps])
+        coverage = np.mean([ep.info["readout_coverage"] for ep in eps])
+        sampled = np.mean([2 * ep.info["reward_sampled"] for ep in eps])
         rows[label] = d
-        print(f"| {label} | ${d.mean():.2f} ({d.std(ddof=1):.2f}) | ${a.mean():.2f} ({a.std(ddof=1):.2f}) | "
-              f"{parsed:.2f} | {stated:.2f} | {seconds:.0f} |")
+        print(f"| {label} | ${d.mean():.2f} ({d.std(ddof=1):.2f}) | {coverage:.2f} | ${sampled:.2f} | "
+              f"${a.mean():.2f} ({a.std(ddof=1):.2f}) | {parsed:.2f} | {stated:.2f} | {seconds:.0f} |")
     spread = np.ptp([v.mean() for v in rows.values()])
     within = np.mean([v.std(ddof=1) for v in rows.values()])
     print(f"\ntraining readout: spread of the message means ${spread:.2f}; mean SD over personas ${within:.2f}")

@@ -324,7 +324,7 @@ def training_log(run_dir: Path) -> list[str]:
         out += ["", "Training reward per step: " + " ".join(_f(r, 2) for r in train) + "."]
     if evals:
         skip = {"kind", "step", "split", "tasks", "panel_mean", "seen", "unseen", "eval_temperature", "eval_s",
-                "seen_se", "unseen_se", "dialogues"}
+                "seen_se", "unseen_se", "dialogues", "probe"}
         names = [k for k in evals[0] if k not in skip]
         n = evals[0].get("tasks")
         which = f"the first {n} {evals[0].get('split', 'test')} tasks" if n else f"{evals[0].get('split', 'test')} tasks"
@@ -336,6 +336,19 @@ def training_log(run_dir: Path) -> list[str]:
         for r in evals:
             out.append(f"| {r['step']} | " + " | ".join(_f(r.get(n)) for n in names) +
                        f" | {_f(r.get('panel_mean'))} |")
+    probed = [r for r in evals if r.get("probe")]
+    if probed:      # P4G with a trained persuadee: the probe set at the first and last evaluation
+        out += ["", "The trained persuadee on the probe set (envs/p4g.py PROBE_MESSAGES; expected gift in "
+                "dollars after `[DONATE $`, mean over the first test personas): a persuadee that refuses "
+                "everything reads low on every row; one that stops paying for a copied amount, on the rows "
+                "that write one.", ""]
+        for r in (probed[0], probed[-1]) if len(probed) > 1 else probed:
+            members = list(r["probe"])
+            labels = list(r["probe"][members[0]])
+            out += [f"Step {r['step']}:", "", "| message | " + " | ".join(members) + " |",
+                    "|---|" + "---|" * len(members)]
+            out += [f"| {k} | " + " | ".join(_f(r["probe"][m].get(k), 2) for m in members) + " |" for k in labels]
+            out.append("")
     alarms = [r for r in recs if r.get("kind") == "alarm"]
     out += ["", "Collapse monitor (minscope/monitor.py): " + ("; ".join(f"step {r['step']}: {r['detail']}" for r in alarms)
                                                            if alarms else "no alarm.")]

@@ -168,6 +168,22 @@ def stream_stats(method, episodes) -> dict:
     return out
 
 
+def probe_persuadees(env, partner) -> dict:
+    """P4G's probe set (envs/p4g.py `probe`) read by the trained persuadee and, for a population,
+    by each snapshot in its pool (named by the step it was taken at)."""
+    from .envs.p4g import probe
+    from .rollout import LMSpeaker
+
+    def speaker(adapter):
+        return LMSpeaker(partner.model, partner.tokenizer, "partner", adapter, partner.temperature,
+                         partner.max_new_tokens, name=adapter)
+
+    members = {"live": speaker(partner.trainable_adapter)}
+    for slot, (snap, _) in zip(getattr(partner, "slots", []), getattr(partner, "pool", [])):
+        members[f"pool, step {snap}"] = speaker(slot)
+    return probe(env, members)
+
+
 def evaluate_and_save(env, models, method, tasks, split, step, run_dir,
                       temperature: float = 0.0, seed: int = 0) -> dict:
     """Evaluate the policy on `tasks` against the panel (one episode each, policy and
@@ -181,6 +197,8 @@ def evaluate_and_save(env, models, method, tasks, split, step, run_dir,
            "eval_temperature": temperature, "eval_s": time.perf_counter() - t0}
     if hasattr(env, "readings"):     # P4G's --p4g-reward expected: every reading, over the whole panel
         rec.update(env.readings([ep for v in res.values() for ep in v.get("episodes", [])]))
+        if method.trains_simulator and getattr(env, "decision", None):     # the trained persuadee(s), probed
+            rec["probe"] = probe_persuadees(env, method.partner)
     # one dialogue per panel member, for the report (report.html: the first and last evaluation)
     rec["dialogues"] = [dialogue(env, v["episodes"][0], name) for name, v in res.items() if v.get("episodes")]
     save_adapter(models.policy_model, "policy", run_dir / f"policy-step{step}")

@@ -386,6 +386,14 @@ def test_a_run_with_the_expected_reward_logs_every_reading(tmp_path, model_dirs)
     for rec in (step, *records(run_dir, "eval")):
         assert readings <= set(rec)
     assert len(step["group_std"]) == 3              # the groups' spreads beside the std floor
+    from minscope.envs.p4g import PROBE_MESSAGES
+    evals = records(run_dir, "eval")                # the trained persuadee, and its pool once it has one
+    assert any(k.startswith("pool, step") for k in evals[-1]["probe"])
+    for rec in evals:
+        assert "live" in rec["probe"]
+        for member in rec["probe"].values():
+            assert set(member) == set(PROBE_MESSAGES) and all(0 <= v <= 2 for v in member.values())
+    assert "The trained persuadee on the probe set" in (run_dir / "report.md").read_text()
     res = evaluate_run(run_dir, episodes=1, max_tasks=2)          # eval.py: the same readings per member
     for member in res["members"].values():
         assert set(member["summary"]["readings"]) == readings

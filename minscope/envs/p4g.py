@@ -41,7 +41,7 @@ import bisect
 import re
 from dataclasses import dataclass
 
-from minscope.envs.base import Environment, Episode
+from minscope.envs.base import Environment, Episode, Turn
 from minscope.envs.p4g_data import load_p4g, persona_split, render_persona
 
 MAX_DONATION = 2.0
@@ -511,3 +511,51 @@ class P4GEnv(Environment):
                        stated_turns=sum(parse_donation(t) is not None for t in turns) / len(turns))
         out.update(self.readings(episodes))
         return out
+
+
+# ------------------------------------------------------------------- the probe set
+# Fixed persuader messages read at every evaluation of a run that trains its persuadee, so a
+# persuadee that learns to refuse everything (the adversary's easiest optimum), or only the
+# messages that write an amount for it to copy, is seen (runner.evaluate_and_save, the report).
+PROBE_MESSAGES = {
+    "asks for $2": "Please donate your full $2 to Save the Children. Every dollar helps a child in need.",
+    "asks for $1": "Could you give $1 to Save the Children? Half of your bonus would help a child.",
+    "asks, no amount": "Would you consider donating some of your earnings to Save the Children? It helps kids in need.",
+    "off topic": "What is your favorite movie, and why do you like it?",
+}
+PROBE_PERSONAS = 2
+
+
+class Says:
+    """A scripted persuader: episode group g hears messages[g // per] (one message per block of
+    `per` personas)."""
+
+    holds_noise = False
+
+    def __init__(self, messages: list[str], per: int = 1):
+        self.messages, self.per = messages, per
+
+    def respond(self, episodes, env):
+        return [Turn("agent", self.messages[ep.group // self.per]) for ep in episodes]
+
+
+def probe(env: "P4GEnv", persuadees: dict, messages: dict = PROBE_MESSAGES, personas: int = PROBE_PERSONAS,
+          seed: int = 0) -> dict:
+    """{persuadee name: {message label: expected gift in dollars, mean over the first `personas`
+    test personas}}: each message is said once, the persuadee answers once and is read
+    (`readouts`: its decision). One rollout per persuadee, all messages in one batch."""
+    import copy
+
+    from minscope.rollout import rollout
+
+    probe_env = copy.copy(env)
+    probe_env.max_turns, probe_env.reward = 2, "expected"
+    tasks = probe_env.tasks("test")[:personas] or probe_env.tasks("all")[:personas]
+    labels = list(messages)
+    out = {}
+    for name, speaker in persuadees.items():
+        eps = rollout(probe_env, [t for _ in labels for t in tasks], Says([messages[k] for k in labels], len(tasks)),
+                      speaker, group_size=1, seed=seed)
+        out[name] = {label: sum(MAX_DONATION * ep.info["readout_decision"] for ep in eps[i * len(tasks):(i + 1) * len(tasks)])
+                     / len(tasks) for i, label in enumerate(labels)}
+    return out
