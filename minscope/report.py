@@ -249,6 +249,9 @@ def plots(records, out_dir: Path) -> list[str]:
             n = min(len(s) for s in series)
             steps = [r["step"] for r in series[0][:n]]
             vals = np.array([[r[key] for r in s[:n]] for s in series])
+            if n == 1:      # evaluated once (Base, the untrained policy): a level to compare with
+                ax.axhline(vals.mean(), linestyle="--", label=label(method), color=colors[method])
+                continue
             if kind == "train" and n > 5:   # light smoothing of noisy per-step values (edge-padded)
                 vals = np.array([np.convolve(np.pad(v, 1, mode="edge"), np.ones(3) / 3, mode="valid") for v in vals])
             ax.plot(steps, vals.mean(0), label=label(method), color=colors[method])
