@@ -9,7 +9,8 @@ The tiny models ship with the code (minscope/toy_weights), so a first run trains
 progress line after each arm says how many are done and the time left. Ctrl-C
 loses at most one step (--resume continues). Results land in runs/<name>/ (report.md,
 results.json, plots). `--quick` runs the same code path in 552 CPU-seconds cold (1 seed,
-4 arms, small models trained first: a smoke run, too small to show the effect; README "Run it").
+4 arms, small models trained first: a smoke run, too small to show the effect; docs/RESULTS.md,
+"Run times and sizes").
 
 Real models and benchmarks:
     python train.py --env p4g --data PATH --policy Qwen/Qwen3-1.7B --simulator Qwen/Qwen3-1.7B --method vs

@@ -3,7 +3,7 @@
 Prints the reference values (random, best fixed, best adaptive), the exploit's value on the
 real users and inside the gamma-sharpened users, then trains a tabular softmax policy over
 histories with the GRPO recipe against several reply models and prints each arm's
-real-user value. What the world must show (README, "What decided the design"):
+real-user value. What the world must show (docs/ARCHIVE.md, "What decided the design"):
   - against the gamma-8-sharpened users, train reward climbs while the real-user value
     ends LOW (the exploit) and entropy collapses;
   - against the un-sharpened users (what Verbalized Sampling recovers: top-k of the true

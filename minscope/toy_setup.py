@@ -116,7 +116,7 @@ class ToyConfig:
 
     @classmethod
     def quick(cls, **kw):
-        """--quick: the same code path, smaller everything (552 CPU-seconds cold; README "Run it")."""
+        """--quick: the same code path, smaller everything (552 CPU-seconds cold; docs/RESULTS.md, "Run times and sizes")."""
         base = dict(name="toy-quick", methods=("base", "single", "vs", "oracle"), seeds=(0,), steps=12, ablations=(),
                     groups=4, eval_every=6, eval_episodes=4, final_episodes=64, meter_every=0,
                     models=ToyModelConfig(transcripts=1000, vs_examples=400, sim_a_steps=200, vs_steps=220,
