@@ -343,9 +343,9 @@ def test_a_persuadee_sentence_that_echoes_the_persuader_is_not_read():
 
 
 def test_a_persuadee_repeating_its_instructions_states_nothing():
-    parrot = "If you decide to give, state the amount with a tag: [DONATE $N] (or [GIVE $N]), for example [DONATE $0.50]"
+    parrot = "If you decide to give, state the amount with a tag, for example [DONATE $0.50] or [DONATE $1]"
     ep = episode(("agent", "Hello! Would you give to Save the Children?"), ("partner", parrot))
-    assert parse_donation(parrot) == 0.5
+    assert parse_donation(parrot) == 1.0
     assert episode_donation(ep, PERSUADEE_PROMPT) is None
     env = P4GEnv(CSV, split="all", max_turns=2)
     ep.task = env.tasks()[0]
@@ -381,7 +381,8 @@ def test_prompts_state_the_task_the_situation_and_the_tag_rule():
     assert [m["role"] for m in agent] == ["system"] and [m["role"] for m in partner] == ["system"]
     for phrase in ["Save the Children", "$2", "deducted", "specific amount", "42 words"]:
         assert phrase in agent[0]["content"]
-    for phrase in [task.persona_text, "earned $2", "free to keep", "[DONATE $N]", "[GIVE $N]", "42 words"]:
+    for phrase in [task.persona_text, "earned $2", "free to keep", "[DONATE $0.50]", "[GIVE $1]", "[DONATE $0]",
+                   "42 words"]:
         assert phrase in partner[0]["content"]
     assert env.first_speaker(task) == "agent"
 

@@ -254,7 +254,7 @@ def test_a_non_finite_loss_is_skipped_and_counted_in_the_step_metrics(policy, mo
     env = WordGame()
     m = build_method("single", policy, [Asker()], UpdateConfig(lr=1e-2, epochs=2))
     monkeypatch.setattr(methods, "group_advantages",
-                        lambda r, g: (torch.full_like(r, float("nan")), torch.zeros(len(r) // g, dtype=torch.bool)))
+                        lambda r, g, **kw: (torch.full_like(r, float("nan")), torch.zeros(len(r) // g, dtype=torch.bool)))
     before = lora_values(policy.model)
     metrics = train_step(m, env, env.tasks()[:2], 2, step=0)
     assert metrics["skipped_steps"] == 2 and metrics["policy_loss"] == 0.0
