@@ -244,15 +244,20 @@ def run_real(args):
         raise SystemExit(f"--groups {args.groups} cannot be split evenly over {world} processes; "
                          f"give a multiple of {world}")
     run_dir = Path(args.resume) if args.resume else Path(args.runs_dir) / (args.name or f"{args.env}-{args.method}")
+    problem = None
     if not args.resume and (run_dir / "state.pt").exists():
-        raise SystemExit(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
-                         "or pick another --name")
-    if not args.resume and run_dir.is_dir() and any(run_dir.iterdir()):
+        problem = (f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
+                   "or pick another --name")
+    elif not args.resume and run_dir.is_dir() and any(run_dir.iterdir()):
         # a new run never writes into a used folder (a toy run keeps its state in arms/, and an
         # interrupted real run may not have saved state.pt yet)
         what = "a toy run" if (run_dir / "arms").exists() else "files of another run"
-        raise SystemExit(f"{run_dir} already exists and holds {what}: pick another --name"
-                         + ("" if what == "a toy run" else f", or continue it with --resume {run_dir}"))
+        problem = (f"{run_dir} already exists and holds {what}: pick another --name"
+                   + ("" if what == "a toy run" else f", or continue it with --resume {run_dir}"))
+    # under torchrun every rank looks at the folder before rank 0 writes into it (the collective
+    # is the barrier: a slow rank must not find rank 0's own new files and refuse them)
+    if not distributed.all_true(problem is None):
+        raise SystemExit(problem or f"{run_dir}: another process refused this run folder")
     if main:                                   # under torchrun rank 0 alone writes the run folder
         run_dir.mkdir(parents=True, exist_ok=True)
         RunLock(run_dir).acquire()             # one process (job) per run folder; released at exit
