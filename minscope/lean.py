@@ -1,17 +1,26 @@
-"""A lean forward pass for the toy's tiny Llama models, used by `rollout.sample`.
+"""A lean forward pass for Llama models on the CPU, used by `rollout.sample`.
 
 The toy's models are 64 wide and 2 layers deep: one decode step of 64 conversations is
 about a millisecond of arithmetic, and the general forward of transformers + peft spends
 several times that in Python (argument handling, hooks, output objects, per-layer checks).
+A real Llama on the CPU (SmolLM2-135M: 30 layers, 7 LoRA layers each) pays the same overhead
+per layer, and most where rows carry different adapters (Population's pool): peft's mixed
+batch rebuilds every adapter's row list, with a Python loop over the rows, in each of its
+210 LoRA layers, and gathers and scatters each sub-batch through Python-list indices
+(docs/BENCHMARKS.md, "Where a decode step goes": ~50 ms of a 172 ms step).
+
 This module runs the SAME operations on the same weights in the same order, without that
 machinery: the embedding, rotary embedding, RMSNorm, attention through the kept KV cache
 (`kvcache.KVCache.update`) with sdpa, the MLP, the LM head of the last position, and
-peft's vanilla LoRA (one active adapter, or one adapter per row as peft's mixed batches do).
-So its logits are bit-identical to the general path's (tests/test_rollout.py checks it).
+peft's vanilla LoRA (one active adapter, or one adapter per row as peft's mixed batches do:
+each adapter's product on its own sub-batch, added to the base product of its rows). The
+rows of each adapter are found once per forward, as one index tensor, not once per layer as
+Python lists. So its logits are bit-identical to the general path's
+(tests/test_lean.py checks it, on a tiny Llama and on SmolLM2).
 
 `lean_forward(model)` returns None for anything else (other architectures, eager attention,
-merged or non-vanilla LoRA, LoRA dropout, forward hooks on any module, a real model on a
-GPU...): those keep the general path. Real models never take this one.
+merged or non-vanilla LoRA, LoRA dropout, forward hooks on any module, a model on a GPU,
+rope scaling...): those keep the general path.
 """
 
 from __future__ import annotations
@@ -21,14 +30,12 @@ import torch.nn.functional as F
 
 from .precision import wide, widen
 
-MAX_HIDDEN = 256          # only tiny models: above this the general path costs nothing extra
-
 
 def lean_forward(model):
     """A function (input_ids, mask, position_ids, cache, adapter_names, keep=1) -> last logits [B, V]
     (or the last `keep` positions' [B, keep, V])
     equivalent to `model(...)` as `rollout._Forward` calls it, or None if `model` is not a
-    tiny Llama (with or without vanilla LoRA adapters) on the CPU."""
+    Llama (with or without vanilla LoRA adapters) on the CPU."""
     try:
         from peft import PeftModel
         from peft.tuners.lora import Linear as LoraLinear
@@ -40,7 +47,7 @@ def lean_forward(model):
     if not isinstance(base, LlamaForCausalLM):
         return None
     cfg = base.config
-    if (cfg.hidden_size > MAX_HIDDEN or getattr(cfg, "_attn_implementation", None) != "sdpa"
+    if (getattr(cfg, "_attn_implementation", None) != "sdpa"
             or cfg.rope_parameters.get("rope_type", "default") != "default" or cfg.hidden_act != "silu"
             or getattr(cfg, "pretraining_tp", 1) != 1 or cfg.attention_bias or cfg.mlp_bias
             or next(base.parameters()).device.type != "cpu"):
@@ -77,9 +84,20 @@ def _linear(mod, x, groups):
         if name == "__base__" or name not in mod.lora_A:
             continue
         a, b = mod.lora_A[name], mod.lora_B[name]
-        sub = x[index]
-        result[index] += F.linear(F.linear(sub, a.weight, a.bias), b.weight, b.bias) * mod.scaling[name]
+        # the same gather (a fresh contiguous copy: a view of the rows can round differently
+        # in the product), product and scatter-add as peft's x[rows] / result[rows] += ...
+        lora = F.linear(F.linear(x.index_select(0, index), a.weight, a.bias), b.weight, b.bias) * mod.scaling[name]
+        result.index_add_(0, index, lora)
     return result
+
+
+def row_groups(adapter_names: list[str], device) -> list:
+    """(adapter, index tensor of its rows) per adapter in the batch, found once per forward
+    (peft's mixed batch finds the same sub-batches again in every LoRA layer)."""
+    rows: dict[str, list[int]] = {}
+    for i, name in enumerate(adapter_names):
+        rows.setdefault(name, []).append(i)
+    return [(name, torch.tensor(idx, device=device)) for name, idx in rows.items()]
 
 
 def _rms_norm(norm, h):
@@ -105,9 +123,7 @@ class _LeanLlama:
 
     @torch.no_grad()
     def __call__(self, input_ids, mask, position_ids, cache, adapter_names=None, keep: int = 1):
-        groups = None
-        if adapter_names is not None:   # peft's sub-batches: the rows of each adapter
-            groups = [(name, [i for i, n in enumerate(adapter_names) if n == name]) for name in set(adapter_names)]
+        groups = None if adapter_names is None else row_groups(adapter_names, input_ids.device)
         lm = self.lm
         emb = lm.embed_tokens
         h = F.embedding(input_ids, emb.weight, emb.padding_idx, emb.max_norm, emb.norm_type,

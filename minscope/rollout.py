@@ -43,7 +43,7 @@ from .readout import DECISION_TOKENS, amount_tokens, expected_amount, read_token
 
 
 # --------------------------------------------------------------------------- sampling
-LEAN = True      # tiny Llama models decode through minscope/lean.py (bit-identical, less overhead)
+LEAN = True      # Llama models on the CPU decode through minscope/lean.py (bit-identical, less overhead)
 
 def _cache_kwarg(model) -> str:
     """transformers renamed `past_key_values` to `cache` in 5.2x; support both."""
@@ -268,7 +268,7 @@ class _Forward:
                              "(load the model with attn_implementation='sdpa')")
         self.additive = impl == "eager"
         self.dtype = model.get_input_embeddings().weight.dtype
-        self.lean = lean_forward(model) if LEAN else None    # the toy's tiny models only (minscope/lean.py)
+        self.lean = lean_forward(model) if LEAN else None    # Llamas on the CPU (minscope/lean.py)
 
     def keep_rows(self, keep: list[int], leave: list[int]):
         """Rows `keep` (positions in the decode batch) stay in front; rows `leave` move back."""

@@ -1,5 +1,6 @@
-"""The lean forward of the toy's tiny Llama models (minscope/lean.py): the same samples and
-log-probs, bit for bit, as the general transformers + peft forward."""
+"""The lean forward of Llama models on the CPU (minscope/lean.py): the same samples and
+log-probs, bit for bit, as the general transformers + peft forward. Here on tiny Llamas;
+tests/test_smollm2.py checks it on the real SmolLM2."""
 import pytest
 import torch
 
@@ -48,7 +49,7 @@ def test_lean_forward_is_bit_identical_plain_and_with_adapters(llama, monkeypatc
     assert general == fast
 
 
-def test_lean_forward_is_for_tiny_sdpa_llamas_only(tokenizer):
+def test_lean_forward_is_for_sdpa_llamas_without_dropout_or_hooks_only(tokenizer):
     assert lean.lean_forward(build_tiny_model(tokenizer, "qwen3", hidden_size=32)) is None
     assert lean.lean_forward(build_tiny_model(tokenizer, "llama", hidden_size=32, attention="eager")) is None
     dropout = add_adapters(build_tiny_model(tokenizer, "llama", hidden_size=32), ["drop"], dropout=0.1)

@@ -262,6 +262,34 @@ def test_a_population_pool_serves_its_members_per_row_in_one_batch(smol):
     assert mixed_ids[0] != mixed_ids[1] or mixed_logp[0] != mixed_logp[1]     # the members differ
 
 
+def test_the_lean_decode_loop_gives_smollm2_the_general_paths_episodes_bit_for_bit(smol, monkeypatch):
+    """minscope/lean.py on a real model: the same tokens and log-probs, bit for bit, as the
+    general transformers + peft forward, over two turns through the kept cache, for one active
+    adapter (Single, and Verbalized Sampling's simulator), the base, and a pool's adapters per
+    row (Population). The adapters get random weights so their products are not zero."""
+    from minscope import lean
+    from test_lean import both_paths
+
+    model, tok = smol
+    assert lean.lean_forward(model) is not None
+    saved = {n: adapter_state(model, n) for n in ("policy", "simulator")}
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, len(tok), (9 + 4 * i,), generator=gen).tolist() for i in range(3)]
+    try:
+        for n, state in saved.items():
+            load_adapter_state(model, n, {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in state.items()})
+        with models_mod.use_adapter(model, "policy"):
+            general, fast = both_paths(model, prompts, monkeypatch)
+        assert general == fast
+        with model.disable_adapter():
+            assert both_paths(model, prompts, monkeypatch)[0] != general      # the adapter counts
+        general, fast = both_paths(model, prompts, monkeypatch, adapter_names=["simulator", "__base__", "policy"])
+        assert general == fast
+    finally:
+        for n, state in saved.items():
+            load_adapter_state(model, n, state)
+
+
 def test_verbalized_sampling_of_smollm2_counts_its_parse_failures(smol):
     """SmolLM2 asked for 5 candidates with probabilities (a 2-turn conversation, short answers):
     whatever it writes, every request ends as a draw or a fallback and every failed parse is a
