@@ -14,6 +14,11 @@ decode:
   per-row     the rows spread over --pool adapters (Population Co-Training's pool snapshots:
               peft's mixed-adapter batch, one sub-batch per adapter in every LoRA layer)
 
+Each set-up runs through both forward paths of `rollout.sample`, side by side in one process:
+"general" (transformers + peft's forward) and "lean" (minscope/lean.py, the default for Llamas
+on the CPU: the same operations, bit-identical, without the general path's per-layer Python;
+--paths lean or general runs one).
+
     python bench/decode_profile.py                        # SmolLM2, batch 8 and 32, 2 threads
     python bench/decode_profile.py --batch 8 --threads 1 --steps 16
 
@@ -103,8 +108,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=24, help="decode steps timed")
     p.add_argument("--pool", type=int, default=5, help="adapters of the per-row set-up (Population's K)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--paths", default="general,lean", help="forward paths, comma-separated: general,lean (both, the default) or one")
     args = p.parse_args(argv)
 
+    from minscope import rollout
     from minscope.models import add_adapters, load_model, quiet
 
     quiet()
@@ -121,17 +128,19 @@ def main(argv=None):
           f"({args.threads} threads) -> floor {floor:.0f} ms per decode step; context {args.context} tokens, "
           f"{args.steps} steps timed\n")
     cols = ["matrix products", "attention", "sampling", "cache bookkeeping", "other ops"]
-    print("| set-up | batch | ms / decode step | x floor | " + " | ".join(cols) + " | Python and dispatch |")
-    print("|---|---|---|---|" + "---|" * (len(cols) + 1))
+    print("| set-up | path | batch | ms / decode step | x floor | " + " | ".join(cols) + " | Python and dispatch |")
+    print("|---|---|---|---|---|" + "---|" * (len(cols) + 1))
     for batch in (int(b) for b in args.batch.split(",")):
         for label, adapters in (("base", [None] * batch), ("single", [names[0]] * batch),
                                 ("per-row", [names[i % args.pool] for i in range(batch)])):
-            wall, _ = decode(model, tok, batch, args.context, args.steps, adapters, profile=False)
-            _, groups = decode(model, tok, batch, args.context, args.steps, adapters, profile=True)
-            inside = sum(groups.values())
-            print(f"| {label} | {batch} | {wall:.0f} | {wall / floor:.1f} | "
-                  + " | ".join(f"{groups.get(c, 0.0):.0f}" for c in cols)
-                  + f" | {max(wall - inside, 0.0):.0f} |", flush=True)
+            for path in args.paths.split(","):
+                rollout.LEAN = path == "lean"
+                wall, _ = decode(model, tok, batch, args.context, args.steps, adapters, profile=False)
+                _, groups = decode(model, tok, batch, args.context, args.steps, adapters, profile=True)
+                inside = sum(groups.values())
+                print(f"| {label} | {path} | {batch} | {wall:.0f} | {wall / floor:.1f} | "
+                      + " | ".join(f"{groups.get(c, 0.0):.0f}" for c in cols)
+                      + f" | {max(wall - inside, 0.0):.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -77,8 +77,8 @@ sys.path.insert(0, str(REPO))                     # run from anywhere: python be
 from minscope import methods as methods_mod  # noqa: E402
 from minscope import rollout as rollout_mod  # noqa: E402
 from minscope.envs.base import Environment, Step  # noqa: E402
-from minscope.models import (QWEN3_SHAPES, add_adapters, build_tokenizer, enable_checkpointing,  # noqa: E402
-                             load_model, model_device)
+from minscope.models import (QWEN3_SHAPES, adapter_state, add_adapters, build_tokenizer,  # noqa: E402
+                             enable_checkpointing, load_adapter_state, load_model, model_device)
 from minscope.rollout import LMSpeaker  # noqa: E402
 from minscope.simulators import Frozen  # noqa: E402
 from minscope.trainer import UpdateConfig  # noqa: E402
@@ -120,6 +120,9 @@ def parse_args(argv=None):
                    help="steps per mode, the modes interleaved; the table shows each mode's median")
     p.add_argument("--prefix-sharing", default="on", choices=["on", "off", "both"],
                    help="prefill/feed a group's shared prompt prefix once (rollout and update), or not, or both")
+    p.add_argument("--pool-members", type=int, default=5,
+                   help="population: distinct snapshots in the pool (the default pool's size; 1: every row "
+                        "through one adapter, as at a run's first steps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here (after each step)")
     args = p.parse_args(argv)
@@ -231,11 +234,28 @@ def make_method(name: str, model, tokenizer, args, sharing: bool = True):
                                       **(kw if name == "population" else {}))
     if name == "vs":
         method.partner.retries = 0
+    if name == "population":
+        fill_pool(method.partner, args.pool_members, args.seed)
     speakers = [policy, frozen, getattr(method.partner, "speaker", None), method.partner]
     for sp in speakers:
         if isinstance(sp, LMSpeaker):
             sp.eos = set()                  # fixed-length turns: EOS never ends a turn
     return method
+
+
+def fill_pool(pop, members: int, seed: int):
+    """A pool of `members` distinct snapshots (random LoRA weights), as a Population run holds
+    after its first members * every steps: the rollout's groups then spread over that many
+    per-row adapters. The trainable adapter is left as it was."""
+    saved = adapter_state(pop.model, pop.trainable_adapter)
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        for i in range(members):
+            load_adapter_state(pop.model, pop.trainable_adapter,
+                               {k: (torch.randn(v.shape, generator=gen) * 0.01).to(v) for k, v in saved.items()})
+            pop.snapshot(i)
+    finally:
+        load_adapter_state(pop.model, pop.trainable_adapter, saved)
 
 
 # ------------------------------------------------------------------ the sampler before the kept cache
@@ -348,7 +368,12 @@ def measure(shape, method_name, mode_name, model, tokenizer, args, sharing: bool
     updates = []
 
     def counted_update(*a, **k):         # each update's forward tokens (prefix once, or every row whole)
+        sync()
+        t0 = time.perf_counter()
         stats = real_update(*a, **k)
+        sync()
+        role = a[4] if len(a) > 4 else k["key"]
+        timed[f"{role}_update_s"] = timed.get(f"{role}_update_s", 0.0) + time.perf_counter() - t0
         cfg = a[6] if len(a) > 6 else k["cfg"]
         passes = cfg.epochs + (1 if cfg.beta else 0)          # policy epochs + the reference pass
         updates.append((stats["tokens_forward"] * passes, stats["tokens_forward_plain"] * passes))
@@ -389,6 +414,7 @@ def measure(shape, method_name, mode_name, model, tokenizer, args, sharing: bool
             "update_forward": sum(u[0] for u in updates), "update_forward_plain": sum(u[1] for u in updates),
             "turns": args.turns, "prefilled": prefilled, "generated": generated,
             "rollout_s": timed["rollout_s"], "update_s": total - timed["rollout_s"],
+            "policy_update_s": timed.get("agent_update_s", 0.0), "sim_update_s": timed.get("partner_update_s", 0.0),
             "tokens_per_s": generated / timed["rollout_s"],
             "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "peak_rss_bytes": peak_rss(),
@@ -408,7 +434,7 @@ def medians(rows) -> list[dict]:
     merged = []
     for group in out.values():
         row = dict(group[0], repeats=len(group))
-        for k in ("rollout_s", "update_s"):
+        for k in ("rollout_s", "update_s", "policy_update_s", "sim_update_s"):
             row[k] = statistics.median(g[k] for g in group)
         row["tokens_per_s"] = row["generated"] / row["rollout_s"]
         if row["peak_bytes"] is not None:
@@ -419,14 +445,15 @@ def medians(rows) -> list[dict]:
 
 def table(rows) -> str:
     lines = ["| shape | method | mode | prefix sharing | batch | prefilled | generated | rollout s | tok/s | update s "
-             "| update forward tokens | peak | peak RSS |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| of which simulator's | update forward tokens | step s | peak | peak RSS |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f} GiB"
         rss = f"{r['peak_rss_bytes'] / 2**30:.2f} GiB" if r.get("peak_rss_bytes") else "-"
         lines.append(f"| {r['shape']} | {r['method']} | {r['mode']} | {r.get('sharing', 'on')} | {r['batch']} | "
                      f"{r['prefilled']:,} | {r['generated']:,} | {r['rollout_s']:.2f} | {r['tokens_per_s']:,.1f} | "
-                     f"{r['update_s']:.2f} | {r.get('update_forward', 0):,} | {peak} | {rss} |")
+                     f"{r['update_s']:.2f} | {r['sim_update_s']:.2f} | {r.get('update_forward', 0):,} | "
+                     f"{r['rollout_s'] + r['update_s']:.2f} | {peak} | {rss} |")
     return "\n".join(lines)
 
 
@@ -459,6 +486,24 @@ def comparisons(rows) -> list[str]:
                        f"{r['prefilled']:,} {'re-prefilled' if r['mode'] == 'reprefill' else r['mode']} "
                        f"({fewer:.0%} fewer); rollout {kept['tokens_per_s'] / r['tokens_per_s']:.2f}x the "
                        f"tokens/s of {r['mode']} ({kept['rollout_s']:.2f} s vs {r['rollout_s']:.2f} s)")
+    return out
+
+
+def method_lines(rows) -> list[str]:
+    """One line per (shape, mode, sharing) where RL (Single) and another method both ran: the
+    other method's whole step, rollout and update against Single's."""
+    out = []
+    for r in rows:
+        if r["method"] == "single":
+            continue
+        one = next((o for o in rows if o["method"] == "single" and (o["shape"], o["mode"], o.get("sharing"))
+                    == (r["shape"], r["mode"], r.get("sharing"))), None)
+        if one:
+            step, step1 = r["rollout_s"] + r["update_s"], one["rollout_s"] + one["update_s"]
+            out.append(f"{r['shape']} {r['mode']}: {r['method']} vs single: step {step:.2f} s vs {step1:.2f} s "
+                       f"({step / step1:.2f}x); rollout {r['rollout_s'] / one['rollout_s']:.2f}x; update "
+                       f"{r['update_s'] / one['update_s']:.2f}x (the simulator's own update {r['sim_update_s']:.2f} s, "
+                       f"the policy's {r['policy_update_s']:.2f} s vs {one['policy_update_s']:.2f} s)")
     return out
 
 
@@ -513,7 +558,7 @@ def main(argv=None):
     print(f"peak RSS of the process: {peak_rss() / 2**30:.2f} GiB")
     for line in summary(rows):
         print(line)
-    for line in sharing_lines(rows):
+    for line in sharing_lines(rows) + method_lines(rows):
         print(line)
 
 

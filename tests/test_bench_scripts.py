@@ -34,6 +34,7 @@ def test_step_benchmark_compares_the_kept_cache_with_re_prefilling(tmp_path):
     rows = {r["mode"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"kept", "reprefill", "generate"}
     assert {r["generated"] for r in rows.values()} == {2 * 2 * 3 * 2 * 6}      # generate too: fixed-length turns
+    assert all(0 < r["sim_update_s"] < r["update_s"] and r["policy_update_s"] > 0 for r in rows.values())
     assert rows["kept"]["prefilled"] < 0.7 * rows["reprefill"]["prefilled"] == 0.7 * rows["generate"]["prefilled"]
     assert "re-prefilled (" in run.stdout and "% fewer)" in run.stdout
     assert "population: rollout tokens/s: kept " in run.stdout and "x generate" in run.stdout.splitlines()[-1]
