@@ -56,6 +56,7 @@ hold two files to check one probability.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ class ToyTask:
     name: str
 
 
+@functools.lru_cache(maxsize=1 << 16)     # pure: exact evaluation calls it ~10^6 times per arm
 def normalize(text: str) -> str:
     """Lower-case, single spaces, no surrounding punctuation: what exact matching compares."""
     return " ".join(text.lower().strip().strip(" .!?,;:\"'").split())
@@ -143,6 +145,7 @@ def canonical_reply(text: str) -> str | None:
 _AMOUNT = re.compile(r"give\s+\$?(\d+(?:\.\d+)?)\s*dollar")
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def stated_amount(text: str) -> float | None:
     """Donation stated by a reply: 'i give N dollar(s)' -> N, 'no thanks' -> 0, else None.
 
