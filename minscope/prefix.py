@@ -26,7 +26,10 @@ objects, so that the backward's replay of a prefix layer, which runs after the s
 forward has begun serving, finds its own cache still recording.
 
 `plan` cuts a batch into units: runs of at most `micro_batch` consecutive rows with a
-shared prefix of at least `min_prefix` ids, and plain micro-batches of the rest.
+shared prefix of at least `min_prefix` ids, and plain micro-batches of the rest. A run ends
+where extending it would shrink its prefix by more than it saves: two P4G groups share the
+persuadee prompt's first ~100 ids but each its own ~420-id persona prompt, so each group is
+its own unit, not one unit sharing 100 ids.
 """
 
 from __future__ import annotations
@@ -159,12 +162,22 @@ def plan(input_ids, attention_mask, loss_mask, micro_batch: int, min_prefix: int
         diff = (input_ids[i, :n] != input_ids[j, :n]).nonzero()
         return int(diff[0, 0]) if len(diff) else n
 
+    def worth(k: int, p: int, p2: int, j: int) -> bool:
+        """Whether row j joins the k rows sharing p ids, at a common prefix of p2: the k - 1
+        rows beyond the first would feed p - p2 more ids each, and row j, left out, could
+        share its own prefix with the row after it (e.g. the next group's longer persona
+        prompt) instead of the p2 ids all the rows have in common."""
+        if p2 == p:
+            return True
+        q = min(limit[j], limit[j + 1], common(j, j + 1)) if j + 1 < B else 0
+        return (k - 1) * (p - p2) + (q if q >= min_prefix else 0) <= p2
+
     units, i, B = [], 0, input_ids.shape[0]
     while i < B:
         j, p = i + 1, limit[i]
         while j < B and j - i < micro_batch:
             p2 = min(p, limit[j], common(i, j))
-            if p2 < min_prefix:
+            if p2 < min_prefix or not worth(j - i, p, p2, j):
                 break
             p, j = p2, j + 1
         if j - i >= 2 and p >= min_prefix:

@@ -210,12 +210,30 @@ def share_prefixes(model, cache: KVCache, prompts, reused, adapter_names, pad_id
             buckets.setdefault((names[i], tuple(p[:SHARE_MIN])), []).append(i)
     clusters = []
     for rows in buckets.values():
-        if len(rows) < 2:
-            continue
-        lead = prompts[rows[0]]
-        n = min(min(common_prefix(lead, prompts[r]), len(prompts[r]) - 1) for r in rows)
-        if n >= SHARE_MIN:
-            clusters.append((rows, n))
+        # Within a bucket, each row joins the cluster where it saves the most fed ids, or starts
+        # its own: a cluster of k rows sharing n ids that takes a row sharing only n2 < n feeds
+        # (k - 1) * (n - n2) more, and a row that shares more ids with the next row than the two
+        # would save by joining starts a cluster with it. So two P4G groups, whose persuadee
+        # prompts share their first ~100 ids and then differ by persona (~420 ids each), make
+        # two clusters, not one of 100.
+        found: list[list] = []                      # [rows, ids they all share]
+        for at, r in enumerate(rows):
+            best, gain = None, 0
+            for c in found:
+                n2 = min(c[1], common_prefix(prompts[c[0][0]], prompts[r]), len(prompts[r]) - 1)
+                saves = n2 - (len(c[0]) - 1) * (c[1] - n2)
+                if n2 >= SHARE_MIN and saves > gain:
+                    best, gain, shared_ids = c, saves, n2
+            # or r starts a cluster with the next row (a group's rows are consecutive)
+            nxt = rows[at + 1] if at + 1 < len(rows) else None
+            ahead = 0 if nxt is None else min(common_prefix(prompts[r], prompts[nxt]), len(prompts[r]) - 1,
+                                              len(prompts[nxt]) - 1)
+            if best is None or (ahead >= SHARE_MIN and ahead > gain + shared_ids):
+                found.append([[r], len(prompts[r]) - 1])
+            else:
+                best[0].append(r)
+                best[1] = shared_ids
+        clusters += [(c[0], c[1]) for c in found if len(c[0]) >= 2 and c[1] >= SHARE_MIN]
     shared = [0] * B
     if not clusters:
         return reused, shared

@@ -155,6 +155,28 @@ def test_sampling_with_shared_prefixes_draws_the_same_tokens(tiny_model, tokeniz
     assert fed[1][0] == fed[0][0] and fed[1][3] == fed[0][3] and fed[1][2] == fed[0][2] and fed[1][5] == fed[0][5]
 
 
+def test_two_groups_sharing_an_opening_are_prefilled_as_two_clusters(tokenizer):
+    """P4G's persuadee prompts: every group's starts with the same ~100 ids, then its own
+    persona. Each group's rows share their whole persona prompt (one cluster per group),
+    not just the opening all groups have; the tokens are still those of full prefills."""
+    from minscope.kvcache import KVCache
+
+    model = build_tiny_model(tokenizer, "llama", hidden_size=32, num_layers=2)
+    gen = torch.Generator().manual_seed(5)
+    rand = lambda n: torch.randint(3, len(tokenizer), (n,), generator=gen).tolist()   # noqa: E731
+    opening, a, b = rand(66), rand(40), rand(40)
+    prompts = [opening + a + rand(3), opening + a + rand(4), opening + b + rand(2), opening + b + rand(5)]
+    out, fed = [], []
+    for share in (False, True):
+        torch.manual_seed(7)
+        cache = KVCache()
+        out.append(sample(model, prompts, tokenizer.pad_token_id, {tokenizer.eos_token_id}, 6, 1.0,
+                          cache=cache, share_prefix=share))
+        fed.append(cache.last_prefilled)
+    assert out[0][0] == out[1][0]
+    assert fed[1] == [109, 4, 108, 5]         # leaders feed their whole prompt, the others their own ids
+
+
 def test_a_shared_prefix_that_fills_the_whole_cache_is_copied_to_every_row(tiny_model, tokenizer):
     """Regression: 64 shared ids on an empty cache reserve exactly 64 columns, so the copy reads
     the leader's whole buffer row; the rows still get the same tokens as full prefills."""
@@ -265,3 +287,16 @@ def test_shared_prefix_update_under_checkpointing_with_eager_attention_equals_th
     assert len(g0) == len(g1) > 0
     for a, b in zip(g0, g1):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), (a - b).abs().max()
+
+
+def test_plan_gives_each_group_its_own_longer_prefix():
+    """Two groups whose prompts share 3 ids, each group 6 of its own (P4G: the persuadee
+    prompt's opening, then a persona): two units of 6 shared ids, not one of 3."""
+    a, b = [1, 2, 3, 4, 4, 4], [1, 2, 3, 5, 5, 5]
+    ids = torch.tensor([a + [7, 8], a + [9, 8], b + [7, 8], b + [9, 9]])
+    attn = torch.ones_like(ids)
+    loss = torch.zeros(4, 7)
+    loss[:, 6:] = 1                    # each row trains its last id
+    units = prefix.plan(ids, attn, loss, micro_batch=8, min_prefix=2)
+    assert units == [([0, 1], 6, 8), ([2, 3], 6, 8)]
+    assert prefix.fed_tokens(attn, units) == 2 * (6 + 2 + 2) < 3 + 4 * 5       # the old plan's unit
