@@ -86,7 +86,7 @@ REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "pan
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
              "no_grad_checkpointing", "no_prefix_sharing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
              "unsafe_no_sandbox", "max_turns", "p4g_reward", "pool_draw", "seed", "temperature", "kl", "lora_r", "lora_alpha",
-             "pool_size", "pool_every", "vs_k", "sim_reward", "device")
+             "pool_size", "pool_every", "vs_k", "sim_reward", "sim_anchor", "device")
 # The settings real runs once fixed in the code; these defaults are those values.
 REAL_DEFAULTS.update(seed=0, temperature=0.7, kl=0.005, lora_r=8, lora_alpha=16, pool_size=5, pool_every=4,
                      vs_k=5, device="auto")
@@ -243,6 +243,11 @@ def build_parser():
     g_sim.add_argument("--sim-reward", choices=("adversarial", "cooperative", "curriculum", "shared"),
                        help="--method cotrain|population: the trained simulator's reward (default: the "
                        "environment's: adversarial for p4g, curriculum for tau2, shared for cooperbench)")
+    g_sim.add_argument("--sim-anchor", type=nonnegative_float, metavar="W", help="--method cotrain|population, "
+                       "--env p4g: the realism anchor's weight: after each of its updates the trained persuadee takes an "
+                       "SFT step, weighted by W, on 4 real persuadees of the corpus's training split (their first "
+                       "--max-turns messages and the donation they made; envs/p4g.py anchor_conversations). "
+                       "Default 0: no anchor")
     g_real.add_argument("--device", choices=("auto", "cuda", "mps", "cpu"), help="where the models run "
                         "(default auto: cuda if torch sees a GPU, else mps on Apple silicon, else cpu; MPS is untested)")
     g_real.add_argument("--rollout-batch", type=whole(1), metavar="N", help="at most N episodes generated "
@@ -338,7 +343,7 @@ def check_real_args(p, args):
     if args.pool_draw is not None and method != "population":
         p.error(f"--pool-draw is for --method population, not --method {method}")
     for key, methods in (("pool_size", POOL_METHODS), ("pool_every", POOL_METHODS), ("vs_k", ("vs",)),
-                         ("sim_reward", ("cotrain", "population"))):
+                         ("sim_reward", ("cotrain", "population")), ("sim_anchor", ("cotrain", "population"))):
         if getattr(args, key) is not None and method not in methods:
             p.error(f"{flag(key)} is for --method {'|'.join(methods)}, not --method {method}")
     if args.max_turns is not None:

@@ -46,6 +46,7 @@ from .models import adapter_state, load_adapter_state
 from .precision import rounded
 from .monitor import CollapseMonitor
 from .runfolder import MetricsLog, arm_name, check_saved_arms
+from .sft import AnchorBatches
 from .simulators import Frozen, Population
 from .toy_models import ToyModels, aligned_fidelity, fidelity, fidelity_problems
 
@@ -53,7 +54,6 @@ from .toy_models import ToyModels, aligned_fidelity, fidelity, fidelity_problems
 from .toy_setup import (  # noqa: F401
     TOY_METHODS,
     TOY_VARIANTS,
-    AnchorBatches,
     Toy,
     ToyConfig,
     is_toy_variant,

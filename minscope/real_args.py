@@ -23,7 +23,7 @@ SAMPLING_TEMPERATURE = 0.7                     # policy and simulators during tr
 # flags (train.py --seed, --temperature, ...) ran with these values, so a resume or an
 # evaluation of such a run reads them from here (`setting`).
 FIXED_BEFORE = dict(seed=0, temperature=SAMPLING_TEMPERATURE, kl=0.005, lora_r=8, lora_alpha=16, pool_size=5,
-                    pool_every=4, vs_k=5, sim_reward=None, device="auto", monitor=None)
+                    pool_every=4, vs_k=5, sim_reward=None, sim_anchor=0.0, device="auto", monitor=None)
 
 
 def setting(args, key: str):

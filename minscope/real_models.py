@@ -25,6 +25,7 @@ from .models import (
 from .real_args import TRAINS_SIMULATOR, parse_panel, resolve_path, setting
 from .rollout import LMSpeaker
 from .served import ServedSpeaker, is_spec, parse_spec
+from .sft import AnchorBatches, encode_chat
 from .simulators import Frozen
 from .trainer import UpdateConfig
 
@@ -192,6 +193,8 @@ def build_real_method(args, env, personas):
                           personas=personas, pool_draw=getattr(args, "pool_draw", None) or "uniform",
                           vs_k=setting(args, "vs_k"), pool_size=setting(args, "pool_size"),
                           pool_every=setting(args, "pool_every"), seed=seed)
+    if setting(args, "sim_anchor") > 0 and method.trains_simulator:
+        method.anchor, method.anchor_weight = realism_anchor(env, models.sim_tokenizer, seed), setting(args, "sim_anchor")
     if not getattr(args, "no_grad_checkpointing", False):   # the trained bases recompute activations
         for model in _trained_models(models, method):
             enable_checkpointing(model.get_base_model())
@@ -199,6 +202,21 @@ def build_real_method(args, env, personas):
     for speaker in speakers_of(method, models):     # ... and once in the rollout (rollout.share_prefixes)
         speaker.share_prefix = sharing
     return models, method
+
+
+ANCHOR_BATCH = 4     # real persuadees per anchor step (--sim-anchor)
+
+
+def realism_anchor(env, tokenizer, seed: int) -> AnchorBatches:
+    """`--sim-anchor`'s batches: the environment's real-user transcripts (P4G: its corpus's
+    persuadees, `anchor_conversations`), encoded once, drawn on a stream of their own."""
+    if not hasattr(env, "anchor_conversations"):
+        raise SystemExit(f"--sim-anchor: --env {env.name} has no real-user transcripts to anchor to (p4g has)")
+    convs = env.anchor_conversations()
+    if not convs:
+        raise SystemExit(f"--sim-anchor: the {env.split} split of the data holds no dialogue with a recorded donation")
+    encoded = [encode_chat(tokenizer, c) for c in convs]
+    return AnchorBatches(encoded, ANCHOR_BATCH, tokenizer.pad_token_id, random.Random(seed + 777))
 
 
 def _trained_models(models, method) -> list:

@@ -108,6 +108,8 @@ def save_state(path: Path, step: int, models: Models, method, best: dict):
         st["partner"] = partner.state()
     elif hasattr(partner, "rng"):                # VS draws, persona draws
         st["partner_rng"] = partner.rng.getstate()
+    if method.anchor is not None:                # --sim-anchor: which real transcripts come next
+        st["anchor_rng"] = method.anchor.rng.getstate()
     if len(ranks) > 1:
         st.update(world_size=len(ranks), ranks=ranks)
     save_atomic(st, path)                        # never leave a half-written state behind
@@ -125,6 +127,8 @@ def load_state(path: Path, models: Models, method) -> tuple[int, dict]:
         method.partner.load_state(st["partner"])
     elif "partner_rng" in st:
         method.partner.rng.setstate(st["partner_rng"])
+    if "anchor_rng" in st and method.anchor is not None:
+        method.anchor.rng.setstate(st["anchor_rng"])
     torch.set_rng_state(st["torch_rng"])
     if "cuda_rng" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda_rng"])

@@ -52,6 +52,17 @@ def pad_batch(rows, pad_id):
     return ids, attn, mask
 
 
+class AnchorBatches:
+    """A method's realism anchor (`Method.anchor`): each call, a random SFT batch of real-user
+    transcripts. Its `rng` is part of the saved state, so a resumed run draws the same batches."""
+
+    def __init__(self, encoded, batch: int, pad_id: int, rng: random.Random):
+        self.encoded, self.batch, self.pad_id, self.rng = encoded, batch, pad_id, rng
+
+    def __call__(self):
+        return pad_batch(self.rng.sample(self.encoded, min(self.batch, len(self.encoded))), self.pad_id)
+
+
 def nll(model, ids, attn, mask) -> torch.Tensor:
     """Mean negative log-likelihood of the masked next tokens."""
     hidden = final_hidden_states(model, ids, attn)[:, :-1]                    # [B, T-1, H]

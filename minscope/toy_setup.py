@@ -19,7 +19,7 @@ from .methods import Method, build_method
 from .models import add_adapters
 from .monitor import MonitorConfig
 from .rollout import LMSpeaker
-from .sft import encode_chat, pad_batch
+from .sft import AnchorBatches, encode_chat
 from .simulators import Frozen
 from .toy_models import ToyModelConfig, ToyModels
 from .trainer import UpdateConfig
@@ -153,17 +153,6 @@ def reference_values(gamma: float, world: str = "suppression") -> dict:
 
 
 # --------------------------------------------------------------------------- set-up
-class AnchorBatches:
-    """`m.anchor` of an anchored arm: each call, a random SFT batch of real-user transcripts.
-    Its `rng` is part of the arm's saved state, so a resumed run draws the same batches."""
-
-    def __init__(self, encoded, batch: int, pad_id: int, rng: random.Random):
-        self.encoded, self.batch, self.pad_id, self.rng = encoded, batch, pad_id, rng
-
-    def __call__(self):
-        return pad_batch(self.rng.sample(self.encoded, self.batch), self.pad_id)
-
-
 class Toy:
     """Everything shared by the arms of one run: models, environment, evaluation panel."""
 

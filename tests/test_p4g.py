@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from minscope.envs.base import Episode, Turn
 from minscope.envs.p4g import (
     PERSUADEE_PROMPT,
+    READOUTS,
     P4GEnv,
     episode_donation,
     is_donation_ask,
@@ -596,3 +597,29 @@ def test_the_environment_passes_data_errors_on(tmp_path):
     edit(folder / "full_dialog.csv", lambda s: s.replace(",Unit,", ",Text,", 1))
     with pytest.raises(DataError, match=r"full_dialog\.csv.*Unit"):
         P4GEnv(folder)
+
+
+def test_anchor_conversations_are_the_real_persuadees_of_the_split_with_their_donation(csv_corpus):
+    # --sim-anchor's data: the persuadee's own prompt, the persuader as "user", the real
+    # persuadee's messages as trained "assistant" turns, then its recorded donation as a tag
+    env = P4GEnv(FIXTURES / "csv", max_turns=2, reward="expected")
+    convs = env.anchor_conversations()
+    kept = [d for d in csv_corpus.dialogues if d.donation is not None
+            and d.persuadee_id in {t.id for t in env.tasks()}]
+    assert len(convs) == len(kept) > 0
+    for conv, d in zip(convs, kept):
+        assert conv[0] == env.partner_messages(next(t for t in env.tasks() if t.id == d.persuadee_id))[0]
+        body = conv[1:-2]
+        assert [m["content"] for m in body] == [text for _, text in d.messages[:2]]
+        assert [m["role"] for m in body] == ["user" if r == "persuader" else "assistant" for r, _ in d.messages[:2]]
+        assert conv[-2]["content"] == READOUTS["decision"][0]
+        tag = conv[-1]["content"]
+        assert parse_donation(tag) == pytest.approx(d.donation)     # the tag states the real gift
+    assert len(env.anchor_conversations(turns=4)[0]) == len(convs[0]) + 2
+
+
+def test_sim_anchor_is_refused_for_a_method_that_trains_no_simulator(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--env", "p4g", "--data", str(FIXTURES / "csv"), "--method",
+                        "single", "--sim-anchor", "0.5", "--runs-dir", str(tmp_path)],
+                       cwd=Path(__file__).parents[1], capture_output=True, text=True)
+    assert r.returncode == 2 and "--sim-anchor is for --method cotrain|population" in r.stderr

@@ -382,3 +382,15 @@ def test_an_environment_with_a_scripted_partner_plays_it_and_the_run_prints_its_
         train_cli.main([*run, "--name", "vs", "--method", "vs"])
     with pytest.raises(SystemExit, match="plays its own scripted asker; --simulator does not apply"):
         train_cli.main([*run, "--name", "sim", "--simulator", template_models["qwen3"]])
+
+
+def test_the_realism_anchor_trains_the_persuadee_on_real_transcripts_and_its_draws_resume(tmp_path, template_models):
+    import torch
+    recs = train(tmp_path, template_models["qwen3"], "--steps", "1", "--eval-every", "1", "--sim-anchor", "0.5",
+                 method="cotrain")
+    steps = [r for r in recs if r["kind"] == "train"]
+    assert steps and all(r["sim_anchor_nll"] > 0 for r in steps)
+    run = tmp_path / "run"
+    assert json.loads((run / "config.json").read_text())["sim_anchor"] == 0.5
+    state = torch.load(run / "state.pt", weights_only=False)
+    assert "anchor_rng" in state          # a resumed run draws the transcripts an unbroken one would

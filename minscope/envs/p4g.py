@@ -512,6 +512,28 @@ class P4GEnv(Environment):
         out.update(self.readings(episodes))
         return out
 
+    def anchor_conversations(self, turns: int | None = None) -> list[list[dict]]:
+        """The realism anchor's data (`--sim-anchor`): the corpus's real persuadees of this
+        split, as the trained persuadee sees a chat (its persona prompt; the persuader as
+        "user", the real persuadee's own messages as "assistant", trained), cut after `turns`
+        messages (default max_turns), then the decision question answered with the donation the
+        real persuadee made after its whole chat, as a tag ("[DONATE $0.50]"). Dialogues
+        without a recorded donation or a survey are left out."""
+        personas = {t.id: t for t in self.tasks()}
+        question = READOUTS[DECISION][0]
+        out = []
+        for d in self.corpus.dialogues:
+            task = personas.get(d.persuadee_id)
+            if task is None or d.donation is None:
+                continue
+            conv = self.partner_messages(task)
+            for role, text in d.messages[:turns or self.max_turns]:
+                conv.append({"role": "user" if role == "persuader" else "assistant", "content": text})
+            amount = f"{d.donation:.2f}".rstrip("0").rstrip(".") if d.donation % 1 == 0 else f"{d.donation:.2f}"
+            conv += [{"role": "user", "content": question}, {"role": "assistant", "content": f"[DONATE ${amount}]"}]
+            out.append(conv)
+        return out
+
 
 # ------------------------------------------------------------------- the probe set
 # Fixed persuader messages read at every evaluation of a run that trains its persuadee, so a
