@@ -57,6 +57,7 @@ DECISION = "decision"
 # rewards: the reading is to the dime ($0.10 = 0.05 of reward), so a group whose readings differ
 # by less is not a signal worth +-1 advantages (grpo.group_advantages; DESIGN_NOTES).
 READ_STD_FLOOR = 0.05
+REFUSAL = 0.05            # dollars: an episode whose persuadee gives at most this refused (a reading)
 MAX_WORDS = 60            # the per-message word limit the prompts state, for long enough turns
 TAG_TOKENS = 10           # "[DONATE $0.50]" is 10 tokens for SmolLM2's tokenizer
 TOKENS_PER_WORD = 1.3     # chat English is about 1.1 for SmolLM2's tokenizer; some room
@@ -490,6 +491,12 @@ class P4GEnv(Environment):
             values = [ep.info[key] for ep in episodes if key in ep.info]
             if values:
                 out[key] = sum(values) / len(values)
+        # refusals: the share of episodes whose persuadee gives at most REFUSAL dollars, read
+        # (the expected gift) and sampled (the decision it wrote)
+        for name, key in (("refusal_share", f"readout_{DECISION}"), ("refusal_share_sampled", "reward_sampled")):
+            values = [ep.info[key] for ep in episodes if key in ep.info]
+            if values:
+                out[name] = sum(v * MAX_DONATION <= REFUSAL for v in values) / len(values)
         return out
 
     def step_metrics(self, episodes: list[Episode]) -> dict:
