@@ -314,7 +314,7 @@ def test_the_expected_reward_reads_the_persuadee_through_its_kept_cache(model_di
         reads = ep.info["readouts"]
         assert set(reads) == set(READOUTS)
         for r in reads.values():
-            assert 0 <= r["amount"] <= 2 and 0 <= r["coverage"] <= 1
+            assert 0 <= r["amount"] <= r["conditional"] + 1e-12 <= 2 + 1e-12 and 0 <= r["coverage"] <= 1
         assert ep.reward == pytest.approx(reads["decision"]["amount"] / 2) == ep.info["readout_decision"]
         assert ep.info["readout_coverage"] == reads["decision"]["coverage"]
         assert 0 <= ep.info["readout_asked"] <= 1 and "reward_parsed" in ep.info and "reward_sampled" in ep.info
@@ -329,7 +329,7 @@ def test_the_expected_reward_reads_the_persuadee_through_its_kept_cache(model_di
             ep.info["streams"]["partner"] = before.info["streams"]["partner"]
         again = persuadee.read_amount(eps["expected"], envs["expected"], question, prefix)
         for ep, r in zip(eps["expected"], again):
-            for key in ("amount", "coverage"):
+            for key in ("amount", "conditional", "coverage"):
                 assert r[key] == pytest.approx(ep.info["readouts"][name][key], abs=1e-5), name
 
 

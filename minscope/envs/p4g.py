@@ -22,12 +22,14 @@ Choices made here:
     parsing it: after the dialogue the persuadee that played the episode is asked for its
     decision, its reply is begun with "[DONATE $", and it samples the amount in its own token
     stream (three tokens, trained with its turns: minscope/readout.py). The policy's reward
-    is the expected gift under the persuadee's sampling distribution at its temperature, / 2
-    (exact; lower variance than the sampled gift, the same expectation), and the persuadee's
+    is the expected gift under the persuadee's sampling distribution at its temperature, / 2,
+    an unreadable answer counting $0 (exact, in float64; lower variance than the sampled gift,
+    exactly its expectation), and the persuadee's
     own (Co-Training) reward is built from the gift it sampled (`partner_reward_key`): the
     score-function gradient of its decision needs the reward of the decision it made.
     `reward="sampled"` pays the policy the sampled gift too. The share of the persuadee's
-    probability that is a readable amount is logged (readout_coverage). A second question in
+    probability that is a readable amount is logged (readout_coverage), and the expected gift
+    given a readable amount (readout_decision_conditional), as diagnostics. A second question in
     other words ("asked": "I will give $") and the parsed reward are logged beside it, never
     trained on: a policy that games the training readout shows reward up and those flat.
 
@@ -467,7 +469,9 @@ class P4GEnv(Environment):
             raise ValueError(f"--p4g-reward {self.reward}: the episode has no readout of its persuadee")
         info["reward_parsed"] = parsed
         for name, r in reads.items():
-            info[f"readout_{name}"] = r["amount"] / MAX_DONATION
+            info[f"readout_{name}"] = r["amount"] / MAX_DONATION          # an unreadable answer: $0
+            if "conditional" in r:                                        # a diagnostic: given readable
+                info[f"readout_{name}_conditional"] = r["conditional"] / MAX_DONATION
         info["readout_coverage"] = reads[DECISION]["coverage"]
         if "asked" in reads:
             info["readout_asked_coverage"] = reads["asked"]["coverage"]
@@ -479,12 +483,15 @@ class P4GEnv(Environment):
 
     def readings(self, episodes: list[Episode]) -> dict:
         """With a read reward, the means of every reading of the episodes: the training
-        readout (readout_decision: the expected gift / 2), the held-out one (readout_asked),
-        the sampled decision (reward_sampled; decision_read: the share readable), the
-        probability of a readable amount at each (readout_coverage, readout_asked_coverage)
-        and the parsed reward (reward_parsed); {} otherwise."""
+        readout (readout_decision: the expected gift / 2, an unreadable answer giving $0), the
+        held-out one (readout_asked), the sampled decision (reward_sampled; decision_read: the
+        share readable), the probability of a readable amount at each (readout_coverage,
+        readout_asked_coverage), the expected gift / 2 given a readable amount at each
+        (readout_decision_conditional, readout_asked_conditional: diagnostics) and the parsed
+        reward (reward_parsed); {} otherwise."""
         keys = ("reward_parsed", *(f"readout_{name}" for name in READOUTS), "reward_sampled", "decision_read",
-                "readout_coverage", "readout_asked_coverage")
+                "readout_coverage", "readout_asked_coverage",
+                *(f"readout_{name}_conditional" for name in READOUTS))
         out = {}
         for key in keys:
             values = [ep.info[key] for ep in episodes if key in ep.info]
