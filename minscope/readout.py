@@ -38,6 +38,7 @@ import torch
 
 CAP = 2.0                 # the most a reading can be (P4G: the persuadee's $2)
 DECISION_TOKENS = 3       # digit, point, tenths: all a reading looks at
+COVERAGE_FLOOR = 0.9      # under it, a run says so: many answers are unreadable and pay $0
 
 
 @dataclass(frozen=True)
@@ -123,3 +124,15 @@ def expected_amount(after_0: torch.Tensor, after_1: torch.Tensor, tok: AmountTok
     paid = total.clamp(0.0, CAP)
     conditional = torch.where(coverage > 0, total / coverage.clamp_min(1e-300), torch.zeros_like(total))
     return Reading(paid, conditional.clamp(0.0, CAP), coverage.clamp(0.0, 1.0))
+
+
+def low_coverage(records: list[dict]) -> str | None:
+    """One line when a record (a metrics.jsonl row: kind, step, readout_coverage) has its
+    readout coverage under COVERAGE_FLOOR, naming the lowest; None when none has."""
+    low = [r for r in records if r.get("readout_coverage", 1.0) < COVERAGE_FLOOR]
+    if not low:
+        return None
+    r = min(low, key=lambda r: r["readout_coverage"])
+    return (f"readout coverage under {COVERAGE_FLOOR:g} in {len(low)} of {len(records)} record(s), lowest "
+            f"{r['readout_coverage']:.3f} ({r.get('kind', 'a')} step {r.get('step', '?')}): the persuadee "
+            "often writes no readable amount, which pays $0 (readout_decision_conditional: the gift when readable)")

@@ -378,13 +378,17 @@ def test_a_simulator_update_moves_the_decision_it_is_paid_for(model_dirs):
         assert moved.sum() > 0.1, (sign, moved)
 
 
-def test_a_run_with_the_expected_reward_logs_every_reading(tmp_path, model_dirs):
+def test_a_run_with_the_expected_reward_logs_every_reading(tmp_path, model_dirs, capsys):
     run_dir = train(tmp_path, model_dirs, "population", "--p4g-reward", "expected", "--max-turns", "2")
     (step,) = records(run_dir, "train")
     assert step["train_reward"] == pytest.approx(step["readout_decision"])
     readings = {"readout_decision", "readout_asked", "reward_parsed", "reward_sampled", "readout_coverage"}
     for rec in (step, *records(run_dir, "eval")):
-        assert readings <= set(rec)
+        assert readings | {"readout_decision_conditional", "readout_asked_conditional"} <= set(rec)
+        assert rec["readout_decision"] <= rec["readout_decision_conditional"] + 1e-9
+    low = [r["readout_coverage"] < 0.9 for r in (step, *records(run_dir, "eval"))]   # said once for each
+    assert capsys.readouterr().out.count("warning: readout coverage under 0.9") == sum(low)
+    assert ("**Warning**: readout coverage" in (run_dir / "report.md").read_text()) == any(low)
     assert len(step["group_std"]) == 3              # the groups' spreads beside the std floor
     from minscope.envs.p4g import PROBE_MESSAGES
     evals = records(run_dir, "eval")                # the trained persuadee, and its pool once it has one

@@ -158,3 +158,22 @@ def test_a_tokenizer_that_merges_digits_is_refused_with_a_reason():
         return [ord(c) for c in text.replace("1.", "\x01")]
     with pytest.raises(ValueError, match="one per character"):
         amount_tokens(merged, "[DONATE $")
+
+
+def test_low_coverage_is_one_line_naming_the_lowest_and_the_report_says_it(tmp_path):
+    import json
+
+    from minscope.readout import low_coverage
+    from minscope.real_report import training_log
+    recs = [{"kind": "train", "step": 0, "train_reward": 0.5, "readout_coverage": 0.99},
+            {"kind": "train", "step": 1, "train_reward": 0.5, "readout_coverage": 0.42},
+            {"kind": "eval", "step": 2, "panel_mean": 0.3, "readout_coverage": 0.85}]
+    line = low_coverage(recs)
+    assert "2 of 3" in line and "0.420 (train step 1)" in line and "\n" not in line
+    assert low_coverage(recs[:1]) is None and low_coverage([{"kind": "train", "step": 0}]) is None
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert f"**Warning**: {line}." in "\n".join(training_log(run))
+    (run / "metrics.jsonl").write_text(json.dumps(recs[0]) + "\n")
+    assert "Warning" not in "\n".join(training_log(run))
