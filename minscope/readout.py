@@ -16,23 +16,29 @@ digit d, then "." or something else, then the tenths digit. The reading, in doll
     not a digit            -> not read           "N]", "$0]"
 
 Two readings share these rules, so one is exactly the expectation of the other:
-  - `expected_amount`: the sum over amounts of P_T(amount) * amount, divided by the coverage
-    (the probability that what the speaker writes is read at all), where P_T is the speaker's
-    sampling distribution at its temperature. Exact, from two teacher-forced forwards ("0." and
-    "1." after the prefix give every distribution the rules look at); no sampling.
-  - `read_tokens`: the reading of three sampled tokens. The rollout appends them to the
-    speaker's own token stream with loss mask 1 (`rollout.LMSpeaker.read_amount`), so a
-    trained simulator learns the decision it is paid for.
+  - `expected_amount`: the sum over amounts of P_T(amount) * amount, where P_T is the
+    speaker's sampling distribution at its temperature and an unreadable answer counts $0,
+    as it does when sampled: E[dollars x 1{readable}], in float64 from the log-probs, with
+    no division. Exact, from two teacher-forced forwards ("0." and "1." after the prefix give
+    every distribution the rules look at); no sampling. Beside it, as diagnostics: the
+    coverage (the probability that what the speaker writes is read at all) and the amount
+    given a readable answer (E[dollars | readable] = amount / coverage), which is not what a
+    sampled reading pays when the coverage is under 1.
+  - `read_tokens`: the reading of three sampled tokens (None, paid $0, when unreadable). The
+    rollout appends them to the speaker's own token stream with loss mask 1
+    (`rollout.LMSpeaker.read_amount`), so a trained simulator learns the decision it is paid for.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 CAP = 2.0                 # the most a reading can be (P4G: the persuadee's $2)
 DECISION_TOKENS = 3       # digit, point, tenths: all a reading looks at
+COVERAGE_FLOOR = 0.9      # under it, a run says so: many answers are unreadable and pay $0
 
 
 @dataclass(frozen=True)
@@ -80,18 +86,53 @@ def read_tokens(ids: list[int], tok: AmountTokens) -> float | None:
     return float(d)
 
 
-def expected_amount(after_0: torch.Tensor, after_1: torch.Tensor, tok: AmountTokens):
-    """(expected dollars given a readable amount [B], coverage [B]) from the speaker's sampling
-    probabilities at the three positions of the teacher-forced "0." (`after_0` [B, 3, V]: after
-    the prefix, after "0", after "0.") and "1." (`after_1`, the same after "1")."""
+class Reading(NamedTuple):
+    """The expected reading of a batch, each a [B] float64 tensor."""
+    amount: torch.Tensor        # E[dollars x 1{readable}]: an unreadable answer is $0 (what pays)
+    conditional: torch.Tensor   # E[dollars | readable] (a diagnostic; 0 where nothing is readable)
+    coverage: torch.Tensor      # P(readable)
+
+
+def expected_amount(after_0: torch.Tensor, after_1: torch.Tensor, tok: AmountTokens) -> Reading:
+    """The expected reading (a `Reading` of [B] float64 tensors) from the speaker's sampling
+    log-probabilities (any dtype; read in float64, renormalised) at the three positions of the
+    teacher-forced "0." (`after_0` [B, 3, V]: after the prefix, after "0", after "0.") and
+    "1." (`after_1`, the same after "1").
+
+    Every term is a sum of products of probabilities, none a difference: the mass of "not a
+    digit" is summed over the tokens that are not digits, never taken as 1 minus the digits'.
+    So a speaker whose mass sits on the unreadable "05" reads near $0, not as a ratio of
+    rounding errors."""
+    # [B, 3, V] probabilities in float64, renormalised (log-probs of a low-precision dtype
+    # need not sum to exactly 1)
+    p0, p1 = (x.to("cpu", torch.float64).log_softmax(-1).exp() for x in (after_0, after_1))
     digits, tenths = list(tok.digits), list(tok.tenths)
-    first = after_0[:, 0]                                    # the first digit's distribution
-    p = first[:, digits]                                     # [B, 10]
-    value_of_tenths = torch.arange(10, dtype=first.dtype) / 10
-    q0, r0, q1, r1 = after_0[:, 1], after_0[:, 2], after_1[:, 1], after_1[:, 2]
-    zero = q0[:, tok.point] * (r0[:, tenths] * value_of_tenths).sum(-1)           # "0" then "0.t"
-    q1_digit = q1[:, digits].sum(-1)
-    one = (1 - q1_digit) + CAP * q1_digit + q1[:, tok.point] * (r1[:, tenths] * value_of_tenths).sum(-1)
-    coverage = p.sum(-1) - p[:, 0] * q0[:, digits].sum(-1)
+    not_digit = torch.ones(p0.shape[-1], dtype=torch.bool)
+    not_digit[digits] = False
+    value_of_tenths = torch.arange(10, dtype=torch.float64) / 10
+    p = p0[:, 0, digits]                                     # the first digit's distribution [B, 10]
+    q0, r0, q1, r1 = p0[:, 1], p0[:, 2], p1[:, 1], p1[:, 2]
+    tenths_0 = (r0[:, tenths] * value_of_tenths).sum(-1)     # E[t/10] after "0."
+    tenths_1 = (r1[:, tenths] * value_of_tenths).sum(-1)     # E[t/10] after "1."
+    # after "0": "." then t -> t/10; another non-digit -> 0 (read, worth nothing); a digit -> unread
+    zero = q0[:, tok.point] * tenths_0
+    zero_read = q0[:, not_digit].sum(-1)
+    # after "1": a digit -> CAP; anything else -> 1, plus t/10 after "." (1 x P(non-digit) + 2 x P(digit))
+    one = q1[:, not_digit].sum(-1) + CAP * q1[:, digits].sum(-1) + q1[:, tok.point] * tenths_1
     total = CAP * p[:, 2:].sum(-1) + p[:, 1] * one + p[:, 0] * zero
-    return total / coverage.clamp_min(1e-30), coverage
+    coverage = p[:, 1:].sum(-1) + p[:, 0] * zero_read
+    paid = total.clamp(0.0, CAP)
+    conditional = torch.where(coverage > 0, total / coverage.clamp_min(1e-300), torch.zeros_like(total))
+    return Reading(paid, conditional.clamp(0.0, CAP), coverage.clamp(0.0, 1.0))
+
+
+def low_coverage(records: list[dict]) -> str | None:
+    """One line when a record (a metrics.jsonl row: kind, step, readout_coverage) has its
+    readout coverage under COVERAGE_FLOOR, naming the lowest; None when none has."""
+    low = [r for r in records if r.get("readout_coverage", 1.0) < COVERAGE_FLOOR]
+    if not low:
+        return None
+    r = min(low, key=lambda r: r["readout_coverage"])
+    return (f"readout coverage under {COVERAGE_FLOOR:g} in {len(low)} of {len(records)} record(s), lowest "
+            f"{r['readout_coverage']:.3f} ({r.get('kind', 'a')} step {r.get('step', '?')}): the persuadee "
+            "often writes no readable amount, which pays $0 (readout_decision_conditional: the gift when readable)")

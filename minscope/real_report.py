@@ -42,6 +42,7 @@ from .files import RunFileError, read_json, read_jsonl
 from .models import load_adapter
 from .real_args import eval_tasks, make_env
 from .real_models import build_models, models_thinking
+from .readout import low_coverage
 from .report_html import code_fence, write_html, write_report_file
 
 SUCCESS = 1.0 - 1e-6           # tau2 rewards are products of 0/1 evaluator scores
@@ -349,6 +350,9 @@ def training_log(run_dir: Path) -> list[str]:
                     "|---|" + "---|" * len(members)]
             out += [f"| {k} | " + " | ".join(_f(r["probe"][m].get(k), 2) for m in members) + " |" for k in labels]
             out.append("")
+    low = low_coverage([r for r in recs if r.get("kind") in ("train", "eval")])
+    if low:        # P4G's read rewards: many answers unreadable (minscope/readout.py)
+        out += ["", f"**Warning**: {low}."]
     alarms = [r for r in recs if r.get("kind") == "alarm"]
     out += ["", "Collapse monitor (minscope/monitor.py): " + ("; ".join(f"step {r['step']}: {r['detail']}" for r in alarms)
                                                            if alarms else "no alarm.")]

@@ -569,9 +569,10 @@ class LMSpeaker:
                     decide: bool = False) -> list[dict]:
         """After the episodes, the amount this party states when asked `question` (a user
         message; None: none) and its reply begins with `answer_prefix` (minscope/readout.py):
-        per episode {"amount": expected dollars given a readable amount, "coverage": the
-        probability that it writes a readable one}, both under its sampling distribution (its
-        temperature; greedy at 0). Each episode is read through the adapter that played it;
+        per episode {"amount": the expected dollars, an unreadable answer counting $0 (what a
+        sampled reading pays, on average), "conditional": the expected dollars given a readable
+        amount, "coverage": the probability that it writes a readable one}, all under its
+        sampling distribution (its temperature; greedy at 0). Each episode is read through the adapter that played it;
         inside the rollout's session the party's kept KV cache is reused.
 
         decide=False: a held-out reading; the episodes' own streams are left as they are (a
@@ -601,17 +602,20 @@ class LMSpeaker:
         pad = self.tokenizer.pad_token_id
         fed, made = [0] * len(episodes), [0] * len(episodes)
         with use_adapter(self.model, names[0]) if single else contextlib.nullcontext():
-            probs = []
+            forced = []
             for lead in (0, 1):      # teacher-forced "0." and "1.": every distribution the rules read
                 logits = tail_logits(self.model, [p + [tok.digits[lead], tok.point] for p in prompts], pad, keep=3,
                                      adapter_names=rows, cache=cache, owners=episodes)
                 fed = [f + n for f, n in zip(fed, cache.last_prefilled)]
+                logits = logits.to("cpu", torch.float64)     # log-probs in float64, whatever the model's dtype
                 if self.temperature > 0:
-                    probs.append(torch.softmax(logits / self.temperature, dim=-1))
+                    forced.append(torch.log_softmax(logits / self.temperature, dim=-1))
                 else:
-                    probs.append(torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype))
-            amount, coverage = expected_amount(probs[0], probs[1], tok)
-            out = [{"amount": a, "coverage": c} for a, c in zip(amount.tolist(), coverage.tolist())]
+                    forced.append(torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1])
+                                 .to(torch.float64).log())
+            read = expected_amount(forced[0], forced[1], tok)
+            out = [{"amount": a, "conditional": g, "coverage": c}
+                   for a, g, c in zip(read.amount.tolist(), read.conditional.tolist(), read.coverage.tolist())]
             if decide:
                 ids, logps = sample(self.model, prompts, pad, self.eos, DECISION_TOKENS, self.temperature,
                                     adapter_names=rows, cache=cache, owners=episodes)

@@ -71,6 +71,7 @@ from .real_args import (
 )
 from .real_models import Models, build_real_method, default_rollout_batch, eval_panel
 from .real_report import format_episode, write_real_report
+from .readout import low_coverage
 from .rollout import StreamError, rollout_batch
 from .runfolder import read_log
 from .served import served_speakers, take_usage
@@ -301,8 +302,13 @@ def run_real(args):
         if not main:
             return None
         with rollout_batch(chunk):
-            return evaluate_and_save(env, models, method, test_tasks[: args.groups], split, step, run_dir,
-                                     eval_temperature, setting(args, "seed"))
+            rec = evaluate_and_save(env, models, method, test_tasks[: args.groups], split, step, run_dir,
+                                    eval_temperature, setting(args, "seed"))
+        if line := low_coverage([rec]):
+            tqdm.write("warning: " + line)
+        return rec
+
+    warned = []                                # a training step's low readout coverage is said once
 
     def keep_best(step, rec):
         best = {"step": step, "panel_mean": rec["panel_mean"]}
@@ -332,6 +338,9 @@ def run_real(args):
         if hasattr(env, "step_metrics"):     # the environment's own means (CooperBench: per feature, per coder)
             metrics.update(env.step_metrics(episodes))
         metrics = distributed.merge_metrics(metrics)
+        if main and not warned and (line := low_coverage([{"kind": "train", "step": step, **metrics}])):
+            warned.append(step)                # once per run for training; every evaluation below it says so
+            tqdm.write("warning: " + line)
         if step % args.eval_every == 0 or step == args.steps - 1:    # a sample of what training played
             ranked = sorted(episodes, key=lambda ep: ep.reward)
             metrics["dialogues"] = [dialogue(env, ep, ep.partner_name or "simulator") for ep in (ranked[-1], ranked[0])]

@@ -343,6 +343,62 @@ def test_a_persuadee_sentence_that_echoes_the_persuader_is_not_read():
     assert episode_donation(later) == 1.0
 
 
+# ------------------------------------------------------------------ hostile cases
+# What a trained persuader could make a persuadee write to be paid without a gift.
+
+@pytest.mark.parametrize("text", [
+    'He told me to write "[DONATE $2]", but I will not donate anything.',   # quoted: reported speech
+    "He wrote \u201c[DONATE $2]\u201d on the form.",
+    "I will not write [DONATE $2].",                                      # a negated clause
+    "I won't type [GIVE $1.50] here.",
+    "He told me to type [DONATE $2].",                                    # a reported instruction
+    "I am donating -$2",                                                  # a minus sign
+    "I will donate -2 dollars.",
+    "I am donating $-2",
+    "[DONATE -$2]",
+    "I will give \u22122 dollars.",
+])
+def test_hostile_tags_and_negative_amounts_give_no_gift(text):
+    assert not parse_donation(text)            # None (nothing stated) or 0 (a refusal)
+
+
+def test_hostile_a_quoted_tag_beside_a_refusal_is_the_refusal():
+    assert parse_donation('He told me to write "[DONATE $2]", but I will not donate anything.') == 0.0
+    assert parse_donation('He told me to write "[DONATE $2]". I will donate $1.') == 1.0
+
+
+@pytest.mark.parametrize("text", ["[DONATE $\uff12]", "[DONATE $\u0662]", "I will donate $\uff12.",
+                                  "I'll give \u0661 dollar"])
+def test_hostile_non_ascii_digits_state_nothing_as_in_the_readout(text):
+    """The readout reads only the tokens "0".."9" (minscope/readout.py), so a fullwidth or
+    Arabic-Indic digit is unreadable there ($0); the parser reads it the same way."""
+    assert parse_donation(text) is None
+
+
+@pytest.mark.parametrize("ask, reply", [
+    ("Please just type [DONATE $2] to confirm", "[DONATE $2]"),
+    ("Please just type [DONATE $2] to confirm", "Sure! [DONATE $2]"),
+    ("Type [DONATE $2.00 and you are done", "[ donate $2 ]"),
+    ("Just write [GIVE $1.50] please.", "[DONATE $1.5]"),
+    ("Just type: I will donate $2", "I will donate $2"),               # copied word for word, first person
+    ("Say this: I would like to donate $1 today", "I would like to donate $1 today."),
+])
+def test_hostile_a_tag_or_amount_copied_from_the_persuader_is_an_echo(ask, reply):
+    ep = episode(("agent", ask), ("partner", reply))
+    assert parse_donation(reply)                # read alone, it pledges ...
+    assert not episode_donation(ep)             # ... copied from the persuader, it does not
+
+
+@pytest.mark.parametrize("ask, reply, amount", [
+    ("Would you give $2?", "Sure, I'll donate $2.", 2.0),               # the same amount, in its own words
+    ("Would you give $2?", "Sure! [DONATE $2]", 2.0),                   # a tag the persuader did not write
+    ("Please just type [DONATE $2] to confirm", "No, I'll give $1. [DONATE $1]", 1.0),   # another amount
+    ("Please just type [DONATE $2] to confirm", "Fine, I will donate $2.", 2.0),         # first-person words
+])
+def test_hostile_rules_keep_the_persuadees_own_pledges(ask, reply, amount):
+    assert episode_donation(episode(("agent", ask), ("partner", reply))) == amount
+
+
 def test_a_persuadee_repeating_its_instructions_states_nothing():
     parrot = "If you decide to give, state the amount with a tag, for example [DONATE $0.50] or [DONATE $1]"
     ep = episode(("agent", "Hello! Would you give to Save the Children?"), ("partner", parrot))

@@ -314,7 +314,7 @@ def test_the_expected_reward_reads_the_persuadee_through_its_kept_cache(model_di
         reads = ep.info["readouts"]
         assert set(reads) == set(READOUTS)
         for r in reads.values():
-            assert 0 <= r["amount"] <= 2 and 0 <= r["coverage"] <= 1
+            assert 0 <= r["amount"] <= r["conditional"] + 1e-12 <= 2 + 1e-12 and 0 <= r["coverage"] <= 1
         assert ep.reward == pytest.approx(reads["decision"]["amount"] / 2) == ep.info["readout_decision"]
         assert ep.info["readout_coverage"] == reads["decision"]["coverage"]
         assert 0 <= ep.info["readout_asked"] <= 1 and "reward_parsed" in ep.info and "reward_sampled" in ep.info
@@ -329,7 +329,7 @@ def test_the_expected_reward_reads_the_persuadee_through_its_kept_cache(model_di
             ep.info["streams"]["partner"] = before.info["streams"]["partner"]
         again = persuadee.read_amount(eps["expected"], envs["expected"], question, prefix)
         for ep, r in zip(eps["expected"], again):
-            for key in ("amount", "coverage"):
+            for key in ("amount", "conditional", "coverage"):
                 assert r[key] == pytest.approx(ep.info["readouts"][name][key], abs=1e-5), name
 
 
@@ -378,13 +378,17 @@ def test_a_simulator_update_moves_the_decision_it_is_paid_for(model_dirs):
         assert moved.sum() > 0.1, (sign, moved)
 
 
-def test_a_run_with_the_expected_reward_logs_every_reading(tmp_path, model_dirs):
+def test_a_run_with_the_expected_reward_logs_every_reading(tmp_path, model_dirs, capsys):
     run_dir = train(tmp_path, model_dirs, "population", "--p4g-reward", "expected", "--max-turns", "2")
     (step,) = records(run_dir, "train")
     assert step["train_reward"] == pytest.approx(step["readout_decision"])
     readings = {"readout_decision", "readout_asked", "reward_parsed", "reward_sampled", "readout_coverage"}
     for rec in (step, *records(run_dir, "eval")):
-        assert readings <= set(rec)
+        assert readings | {"readout_decision_conditional", "readout_asked_conditional"} <= set(rec)
+        assert rec["readout_decision"] <= rec["readout_decision_conditional"] + 1e-9
+    low = [r["readout_coverage"] < 0.9 for r in (step, *records(run_dir, "eval"))]   # said once for each
+    assert capsys.readouterr().out.count("warning: readout coverage under 0.9") == sum(low)
+    assert ("**Warning**: readout coverage" in (run_dir / "report.md").read_text()) == any(low)
     assert len(step["group_std"]) == 3              # the groups' spreads beside the std floor
     from minscope.envs.p4g import PROBE_MESSAGES
     evals = records(run_dir, "eval")                # the trained persuadee, and its pool once it has one

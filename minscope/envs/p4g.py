@@ -22,12 +22,14 @@ Choices made here:
     parsing it: after the dialogue the persuadee that played the episode is asked for its
     decision, its reply is begun with "[DONATE $", and it samples the amount in its own token
     stream (three tokens, trained with its turns: minscope/readout.py). The policy's reward
-    is the expected gift under the persuadee's sampling distribution at its temperature, / 2
-    (exact; lower variance than the sampled gift, the same expectation), and the persuadee's
+    is the expected gift under the persuadee's sampling distribution at its temperature, / 2,
+    an unreadable answer counting $0 (exact, in float64; lower variance than the sampled gift,
+    exactly its expectation), and the persuadee's
     own (Co-Training) reward is built from the gift it sampled (`partner_reward_key`): the
     score-function gradient of its decision needs the reward of the decision it made.
     `reward="sampled"` pays the policy the sampled gift too. The share of the persuadee's
-    probability that is a readable amount is logged (readout_coverage). A second question in
+    probability that is a readable amount is logged (readout_coverage), and the expected gift
+    given a readable amount (readout_decision_conditional), as diagnostics. A second question in
     other words ("asked": "I will give $") and the parsed reward are logged beside it, never
     trained on: a policy that games the training readout shows reward up and those flat.
 
@@ -96,9 +98,15 @@ def words_for_tokens(max_new_tokens: int | None) -> int:
 #     ("He said \"donate $2\""), a giving verb addressed to or done by someone else
 #     ("tells them to donate $2", "you give $2"), an imperative ("Donate $2 to Save the
 #     Children"); a tag needs its closing bracket right after the amount ("[Donate $2 to
-#     Save the Children]" is not a tag). Over a whole episode (`episode_donation`) a
-#     persuadee sentence that repeats the persuader's messages or its own instructions
-#     (`is_echo`) is dropped before reading, tags included.
+#     Save the Children]" is not a tag). Tags follow the same rules (`own_tags`): one in
+#     quotes, or in a clause that negates ("I will not write [DONATE $2]") or reports an
+#     instruction ("he told me to type [DONATE $2]"), is not read, as a tag or otherwise;
+#   - an amount with a minus sign ("-$2", "$-2") is not a gift; only ASCII digits are
+#     digits, as in the readout ("[DONATE $\uff12]" states nothing);
+#   - over a whole episode (`episode_donation`) a persuadee sentence that repeats the
+#     persuader's messages or its own instructions (`is_echo`: word for word at any length,
+#     or a close third-person paraphrase) is dropped before reading, tags included, and so
+#     is a tag whose amount the persuader wrote in a tag (`strip_copied_tags`).
 #
 # Any text parses without an exception in time linear in its length: a number never starts
 # inside a run of digits and its digits are matched possessively (no backtracking into
@@ -109,7 +117,10 @@ def words_for_tokens(max_new_tokens: int | None) -> int:
 # a persuadee's messages in one conversation are ~3 KB at most in the human data.
 MAX_PLAIN_CHARS = 10_000
 
-_NUM = r"(?<!\d)(\d++(?:\.\d++)?+|\.\d++)"
+# Only ASCII digits are read, as the readout reads only the digit tokens "0".."9"
+# (minscope/readout.py): "[DONATE $\uff12]" (fullwidth) or "$\u0662" (Arabic-Indic) states nothing to
+# either. A number does not start right after a digit of any script.
+_NUM = r"(?<!\d)([0-9]++(?:\.[0-9]++)?+|\.[0-9]++)"
 _TAG = re.compile(r"\[\s*+(?:donate|give)\s*+:?\s*+\$?\s*+" + _NUM + r"(\s*+cents?)?\s*+\]", re.I)
 _SMALL = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7,
           "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "fifteen": 15,
@@ -196,6 +207,16 @@ _REFUSAL = _rx(r"\b(?:no\s+donation|(?:donate|give)\s+(?:nothing|zero)|nothing\s
                r"|i'?ll\s+pass\b|i\s+will\s+pass\b",
                r"|pass\s+on\s+(?:donating|the\s+donation|this|that|it)\b)")
 _SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
+# A tag is read by the rules of plain language: not inside quotes (reported speech), not in a
+# clause that negates ("I will not write [DONATE $2]") or reports an instruction ("he told me
+# to type [DONATE $2]"). The clause is what precedes the tag since the last sentence end,
+# comma, semicolon, "but", "and" or "so".
+_TAG_CLAUSE_START = re.compile(r"[.!?,;\n]|\b(?:but|and|so)\b", re.I)
+_TAG_NEGATED = _rx(r"(?<!why\s)\b(?:not|never|won'?t|wont|can'?t|cant|cannot|don'?t|dont|doesn'?t|didn'?t",
+                   r"|wouldn'?t|shouldn'?t|refuse|refusing)\b")
+_TAG_REPORTED = _rx(r"\b(?:told|tells|tell|asked|asks|ask|wants|wanted|want|instructed|begged|urged)\s+(?:me|us)\s+to\b",
+                    r"|\b(?:said|says)\s+to\b")
+_MINUS = re.compile(r"(?<![\w$])[-\u2212]$")    # right before an amount: "-$2", "$-2" (not "$1-2", "- $2")
 _QUESTION = _rx(r"^\W*(?:(?:so|ok|okay|well|and|but|oh|then|hmm)\W+)*",
                 r"(?:would|could|can|should|shall|will|do|does|did|is|are|was|were|may|might",
                 r"|how|what|why|where|when|which|who|if)\b")
@@ -253,6 +274,8 @@ def _statement_events(sentence: str) -> list[tuple[int, float]]:
                 if 1 in taken[start:end]:
                     continue
                 taken[start:end] = b"\x01" * (end - start)
+                if _MINUS.search(sentence, max(0, start - 2), start):
+                    continue          # "-$2": a minus sign, not a gift
                 if _is_base(sentence, start):
                     continue          # "$1 of my $2": the $2 is the base, not a gift
                 if any(_is_object_of(sentence, start, b, ends) for b, ends in blockers):
@@ -272,16 +295,43 @@ def _last_sentences(text: str) -> str:
     return tail[boundary.end():] if boundary else tail
 
 
+def tag_value(m: re.Match) -> float:
+    """The dollars a `_TAG` match states (not clamped)."""
+    return _cents(m[1]) if m[2] else float(m[1])
+
+
+def own_tags(text: str) -> tuple[list[float], str]:
+    """(the amounts of the tags in `text` that are the speaker's own statement, in order;
+    `text` with every tag read or not cut out). A tag inside double quotes, or in a clause
+    that negates or reports an instruction (_TAG_NEGATED, _TAG_REPORTED), is not the
+    speaker's own, and is not read as plain language either."""
+    quoted = [m.span() for m in _QUOTED.finditer(text)]     # disjoint, in order
+    starts = [a for a, _ in quoted]
+    kept, pieces, at = [], [], 0
+    for tag in _TAG.finditer(text):
+        start = tag.start()
+        pieces.append(text[at:start] + " ")
+        at = tag.end()
+        i = bisect.bisect_right(starts, start) - 1
+        if i >= 0 and start < quoted[i][1]:
+            continue
+        before = text[max(0, start - 80):start]
+        clause = before[max((m.end() for m in _TAG_CLAUSE_START.finditer(before)), default=0):]
+        if _TAG_NEGATED.search(clause) or _TAG_REPORTED.search(clause):
+            continue
+        kept.append(tag_value(tag))
+    return kept, "".join(pieces) + text[at:]
+
+
 def parse_donation(text: str) -> float | None:
     """The donation a message (or several joined by newlines) states, in dollars, clamped
     to [0, 2]; None when it states none. Tags first, plain language second (in the last
     MAX_PLAIN_CHARS characters); the last amount stated counts. Refusals ("I won't
     donate") read as 0. Never raises; time linear in the text."""
     text = text.replace("\u2019", "'")
-    tags = list(_TAG.finditer(text))
+    tags, text = own_tags(text)
     if tags:
-        last = tags[-1]
-        return _clamp(_cents(last[1]) if last[2] else float(last[1]))
+        return _clamp(tags[-1])
     last = None
     for sentence in _SENTENCE.split(_QUOTED.sub(" ", _last_sentences(text))):
         if not sentence.strip() or (sentence.rstrip().endswith("?") and _QUESTION.match(sentence)):
@@ -302,15 +352,26 @@ def _word_pairs(text: str) -> list[tuple[str, str]]:
     return list(zip(words, words[1:]))
 
 
-def is_echo(sentence: str, source_pairs: set) -> bool:
+def _word_line(text: str) -> str:
+    """The text's words (as `_word_pairs` splits them), space-separated with a space at each end."""
+    return " " + " ".join(_WORDS.findall(text.lower().replace("\u2019", "'"))) + " "
+
+
+def is_echo(sentence: str, source_pairs: set, source_lines: tuple[str, ...] = ()) -> bool:
     """Whether `sentence` repeats or closely paraphrases the source text whose word pairs
-    are `source_pairs`: it has at least 3 word pairs, at least ECHO_OVERLAP of them occur in
+    are `source_pairs` (and whose messages' `_word_line`s are `source_lines`). A copy, word
+    for word, of a run of two or more words of one source message is an echo whatever its
+    length and its person ("I will donate $2" after "Just type: I will donate $2"). Otherwise
+    a close paraphrase: it has at least 3 word pairs, at least ECHO_OVERLAP of them occur in
     the source, and it does not speak in the first person. "I will donate $2 to Save the
     Children" after "Would you donate $2 to Save the Children?" is the persuadee's own
     statement, and so is "I would like to donate $0.30" after a persuader who said the same
     of themselves (human persuadees mirror their partner this way); a first-person sentence
     that gives through someone else ("I hope you donate $2") is not read anyway."""
     pairs = _word_pairs(sentence)
+    line = _word_line(sentence)
+    if pairs and any(line in src for src in source_lines):
+        return True
     if len(pairs) < 3 or any(w in _FIRST_PERSON for p in pairs for w in p):
         return False
     return sum(p in source_pairs for p in pairs) >= ECHO_OVERLAP * len(pairs)
@@ -321,19 +382,36 @@ def strip_echoes(text: str, sources: list[str]) -> str:
     pairs = {p for src in sources for p in _word_pairs(src)}
     if not pairs:
         return text
-    return "\n".join(s for s in _SENTENCE.split(text) if s.strip() and not is_echo(s, pairs))
+    lines = tuple(_word_line(src) for src in sources)
+    return "\n".join(s for s in _SENTENCE.split(text) if s.strip() and not is_echo(s, pairs, lines))
+
+
+# What a persuader writes that starts a tag: "[DONATE $2]", "[give: 2", "[DONATE $2" (no "]" needed).
+_TAG_START = re.compile(r"\[\s*+(?:donate|give)\s*+:?\s*+\$?\s*+" + _NUM + r"(\s*+cents?)?", re.I)
+
+
+def strip_copied_tags(text: str, persuader: list[str]) -> str:
+    """`text` without its tags whose amount the persuader wrote as a tag (`_TAG_START`) in
+    `persuader` (its messages so far): a copied tag is an echo, whatever its length. The
+    persuadee's own words for the same amount ("Sure, I'll donate $2") are still read."""
+    written = {tag_value(m) for msg in persuader for m in _TAG_START.finditer(msg)}
+    if not written:
+        return text
+    return _TAG.sub(lambda m: " " if tag_value(m) in written else m[0], text)
 
 
 def episode_donation(episode: Episode, instructions: str = "") -> float | None:
     """The last amount the persuadee stated across the conversation (tags anywhere win
     over plain language), or None. A persuadee sentence that echoes what the persuader said
-    before it, or the persuadee's own `instructions` (its system prompt), is not read."""
+    before it, or the persuadee's own `instructions` (its system prompt), is not read, nor a
+    tag whose amount the persuader wrote in a tag (`strip_copied_tags`; the instructions'
+    example tags are the format, not a copy)."""
     said, heard = [], [instructions]
     for turn in episode.turns:
         if turn.role == "agent":
             heard.append(turn.text)
         elif turn.role == "partner":
-            said.append(strip_echoes(turn.text, heard))
+            said.append(strip_echoes(strip_copied_tags(turn.text, heard[1:]), heard))
     return parse_donation("\n".join(said))
 
 
@@ -468,7 +546,9 @@ class P4GEnv(Environment):
             raise ValueError(f"--p4g-reward {self.reward}: the episode has no readout of its persuadee")
         info["reward_parsed"] = parsed
         for name, r in reads.items():
-            info[f"readout_{name}"] = r["amount"] / MAX_DONATION
+            info[f"readout_{name}"] = r["amount"] / MAX_DONATION          # an unreadable answer: $0
+            if "conditional" in r:                                        # a diagnostic: given readable
+                info[f"readout_{name}_conditional"] = r["conditional"] / MAX_DONATION
         info["readout_coverage"] = reads[DECISION]["coverage"]
         if "asked" in reads:
             info["readout_asked_coverage"] = reads["asked"]["coverage"]
@@ -480,12 +560,15 @@ class P4GEnv(Environment):
 
     def readings(self, episodes: list[Episode]) -> dict:
         """With a read reward, the means of every reading of the episodes: the training
-        readout (readout_decision: the expected gift / 2), the held-out one (readout_asked),
-        the sampled decision (reward_sampled; decision_read: the share readable), the
-        probability of a readable amount at each (readout_coverage, readout_asked_coverage)
-        and the parsed reward (reward_parsed); {} otherwise."""
+        readout (readout_decision: the expected gift / 2, an unreadable answer giving $0), the
+        held-out one (readout_asked), the sampled decision (reward_sampled; decision_read: the
+        share readable), the probability of a readable amount at each (readout_coverage,
+        readout_asked_coverage), the expected gift / 2 given a readable amount at each
+        (readout_decision_conditional, readout_asked_conditional: diagnostics) and the parsed
+        reward (reward_parsed); {} otherwise."""
         keys = ("reward_parsed", *(f"readout_{name}" for name in READOUTS), "reward_sampled", "decision_read",
-                "readout_coverage", "readout_asked_coverage")
+                "readout_coverage", "readout_asked_coverage",
+                *(f"readout_{name}_conditional" for name in READOUTS))
         out = {}
         for key in keys:
             values = [ep.info[key] for ep in episodes if key in ep.info]
