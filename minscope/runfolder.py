@@ -104,6 +104,20 @@ def check_saved_arms(run_dir: Path, arms: list[tuple[str, int]]) -> None:
             read_log(log, warn=lambda msg: None)     # the note comes when the arm trims it
 
 
+def check_resume_steps(run_dir: Path, steps: int, saved_step: int) -> None:
+    """A real run resumed with `--steps` at or below the step its state was saved after is
+    refused before anything is touched: going on would drop the logged steps after `steps`
+    (the final evaluation among them), orphan their adapters and rewrite config.json."""
+    if not isinstance(saved_step, int) or isinstance(saved_step, bool) or saved_step < 0:
+        raise RunFileError(f"{Path(run_dir) / 'state.pt'} is damaged: its step is {saved_step!r}, not a whole "
+                           "number; delete it to restart the run from scratch")
+    if steps is not None and steps <= saved_step:
+        raise SystemExit(f"--resume {run_dir} --steps {steps}: this run has trained {saved_step + 1} steps "
+                         f"already, and a resume cannot go back; give --steps {saved_step + 1} or more to "
+                         f"continue it, or evaluate an earlier checkpoint with `python eval.py {run_dir} "
+                         "--checkpoint STEP`")
+
+
 def merge_metrics(run_dir: Path, arms: list[tuple[str, int]] | None = None) -> Path:
     """Concatenate the arms' logs into metrics.jsonl, in the order of `arms` (default: the
     run's own, from its config.json)."""

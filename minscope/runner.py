@@ -72,7 +72,7 @@ from .real_args import (
 from .real_models import Models, build_real_method, default_rollout_batch, eval_panel
 from .real_report import format_episode, write_real_report
 from .rollout import StreamError, rollout_batch
-from .runfolder import read_log
+from .runfolder import check_resume_steps, read_log
 from .served import served_speakers, take_usage
 
 TIMING_KEYS = ("seconds", "rollout_s", "update_s", "eval_s")   # wall times in metrics.jsonl
@@ -262,7 +262,8 @@ def run_real(args):
         run_dir.mkdir(parents=True, exist_ok=True)
         RunLock(run_dir).acquire()             # one process (job) per run folder; released at exit
     if args.resume and (run_dir / "state.pt").exists():
-        load_state_file(run_dir / "state.pt")  # a damaged state stops here, before any model loads
+        # a damaged state stops here, before any model loads; so does a --steps it has passed
+        check_resume_steps(run_dir, args.steps, load_state_file(run_dir / "state.pt")["step"])
     if args.resume and (run_dir / "metrics.jsonl").exists():
         read_log(run_dir / "metrics.jsonl", warn=lambda msg: None)     # so does a damaged log
     if main:
