@@ -337,8 +337,11 @@ def cached_fidelity(models: ToyModels, gamma: float, with_aligned: bool) -> dict
 
 def _run(cfg: ToyConfig, run_dir: Path, cache_dir, resume: bool, log, progress, stop_after) -> Path:
     if resume:
+        if (run_dir / "config.json").exists():
+            runfolder.check_format(runfolder.read_json(run_dir / "config.json"), run_dir, "resume")
         check_saved_arms(run_dir, cfg.arms())
-    write_text_atomic(run_dir / "config.json", json.dumps(asdict(cfg), indent=2, default=list))
+    write_text_atomic(run_dir / "config.json", json.dumps({**asdict(cfg), **runfolder.format_fields()}, indent=2,
+                                                          default=list))
     models = ToyModels(cache_dir, cfg.models, progress=progress, log=log)
     models.build()
     fid_path = run_dir / "fidelity.json"

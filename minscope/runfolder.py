@@ -19,6 +19,55 @@ from pathlib import Path
 from .files import RunFileError, load_state, read_json, read_jsonl, truncate_log
 
 
+# --------------------------------------------------------------------------- format
+# The meaning of a run folder's records. Bump FORMAT_VERSION (and say what changed in FORMATS)
+# with any change that makes the records of an earlier run mean something else: a reward's
+# definition, a prompt, a record's fields. config.json records it (`format_fields`), and
+# `--resume` and eval.py refuse a run of another format (`check_format`), so that one curve
+# never mixes two reward definitions or two prompts.
+FORMAT_VERSION = 2
+FORMATS = {
+    1: "before run folders recorded their format",
+    # (what the runs of format 2 hold: P4G's persuadee samples its decision in its own stream, the
+    # expected reward is exact to the dime, read rewards have a group-std floor of 0.05, the persuadee
+    # prompt gives concrete tag examples; the toy computes in float64, rounds its parameters to float32
+    # after every update and logs 6 significant digits; records as `record_problem` checks them)
+    2: "P4G's decision readout, expected reward, std floor and persuadee prompt; the toy's float64 numbers",
+}
+
+
+def format_fields() -> dict:
+    """What config.json records of the format its run is written in."""
+    return {"format": FORMAT_VERSION,
+            "format_covers": "reward definitions, prompts, record fields (minscope/runfolder.py FORMATS)"}
+
+
+def check_format(config: dict, run_dir: Path, doing: str) -> None:
+    """Refuse (one line) to resume or evaluate a run written in another format than this code's.
+    A folder that predates formats counts as format 1; only one with nothing logged yet (no
+    state, no log: a resume starts it from scratch) is provably compatible. `doing`: "resume"
+    or "evaluate"."""
+    found = config.get("format", 1)
+    if found == FORMAT_VERSION:
+        return
+    run_dir = Path(run_dir)
+    if "format" not in config and not any((run_dir / p).exists() for p in ("state.pt", "metrics.jsonl")) \
+            and not any((run_dir / "arms").glob("*.*")):
+        return
+    if not isinstance(found, int) or isinstance(found, bool) or found < 1:
+        raise RunFileError(f"{run_dir / 'config.json'} is damaged: \"format\" is {found!r}, not a format number")
+    if found > FORMAT_VERSION:
+        raise RunFileError(f"{run_dir} was written in run-folder format {found}, by a newer minscope than this one "
+                           f"(format {FORMAT_VERSION}): update minscope to {doing} it")
+    changed = "; ".join(f"format {v}: {FORMATS[v]}" for v in range(found + 1, FORMAT_VERSION + 1))
+    legacy = (f"; if you know it was written by code of format {FORMAT_VERSION}, add \"format\": "
+              f"{FORMAT_VERSION} to its config.json" if "format" not in config else "")
+    raise RunFileError(f"{run_dir} was written in run-folder format {found} ({FORMATS[found]}), this code "
+                       f"writes format {FORMAT_VERSION} (changed since: {changed}): to {doing} it here would mix "
+                       f"two meanings of its records. Start a new run (another --name), or {doing} it with a "
+                       f"minscope commit of format {found}{legacy}")
+
+
 def arm_name(method: str, seed: int) -> str:
     return f"{method}-s{seed}"
 

@@ -72,7 +72,7 @@ from .real_args import (
 from .real_models import Models, build_real_method, default_rollout_batch, eval_panel
 from .real_report import format_episode, write_real_report
 from .rollout import StreamError, rollout_batch
-from .runfolder import check_resume_steps, read_log
+from .runfolder import check_resume_steps, format_fields, read_log
 from .served import served_speakers, take_usage
 
 TIMING_KEYS = ("seconds", "rollout_s", "update_s", "eval_s")   # wall times in metrics.jsonl
@@ -267,7 +267,8 @@ def run_real(args):
     if args.resume and (run_dir / "metrics.jsonl").exists():
         read_log(run_dir / "metrics.jsonl", warn=lambda msg: None)     # so does a damaged log
     if main:
-        write_text_atomic(run_dir / "config.json", json.dumps({**vars(args), "resume": None}, indent=2))
+        write_text_atomic(run_dir / "config.json", json.dumps({**vars(args), "resume": None, **format_fields()},
+                                                              indent=2))
     models, method = build_real_method(args, env, personas)
     distributed.decorrelate(method.partner)    # ranks > 0: their own draws (a resume restores them)
     chunk = getattr(args, "rollout_batch", None) or default_rollout_batch(args, env, models)

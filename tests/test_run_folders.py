@@ -4,12 +4,16 @@ in, and a record with a field of the wrong type is one message (or a skipped fie
 traceback."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+import eval as eval_cli
 import train as train_cli
+from minscope import experiment
 from minscope.models import build_tiny_model
+from minscope.runfolder import FORMAT_VERSION, FORMATS
 
 
 def tiny_policies(mp, tokenizer):
@@ -56,3 +60,65 @@ def test_resume_with_steps_below_the_saved_step_is_refused_and_touches_nothing(f
     assert f"--steps {steps}: this run has trained 2 steps already, and a resume cannot go back" in str(e.value.code)
     assert len(records(finished_run)) == n
     assert snapshot(finished_run) == before
+
+
+# --------------------------------------------------------------------------- 2. a run knows its format
+def test_a_run_records_its_format_in_config_json(finished_run):
+    config = json.loads((finished_run / "config.json").read_text())
+    assert config["format"] == FORMAT_VERSION and "reward definitions" in config["format_covers"]
+
+
+def older(run: Path, tmp_path, format_=None) -> Path:
+    """A copy of `run` as code of another format (None: before formats were recorded) left it."""
+    copy = tmp_path / "old"
+    shutil.copytree(run, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config.pop("format_covers")
+    if format_ is None:
+        config.pop("format")
+    else:
+        config["format"] = format_
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+@pytest.mark.parametrize("format_", [None, FORMAT_VERSION - 1])
+@pytest.mark.parametrize("tool", ["resume", "report-only", "eval"])
+def test_a_run_of_another_format_is_refused_in_one_line_that_says_what_changed(finished_run, tmp_path, capsys,
+                                                                              tool, format_):
+    # before: resumed silently under the new reward definitions and prompts, one curve of two meanings
+    old = older(finished_run, tmp_path, format_)
+    before = snapshot(old)
+    call = {"resume": lambda: train_cli.main(["--env", "numbers", "--resume", str(old), "--steps", "4"]),
+            "report-only": lambda: eval_cli.main([str(old), "--report-only"]),
+            "eval": lambda: eval_cli.main([str(old)])}[tool]
+    with pytest.raises(SystemExit) as e:
+        call()
+    message = str(e.value.code)
+    found = format_ or 1
+    assert f"was written in run-folder format {found} ({FORMATS[found]}), this code writes format " \
+           f"{FORMAT_VERSION} (changed since: format {FORMAT_VERSION}: {FORMATS[FORMAT_VERSION]})" in message
+    assert "Start a new run (another --name)" in message and "\n" not in message
+    assert ("add \"format\": " in message) == (format_ is None)
+    assert snapshot(old) == before
+
+
+def test_a_folder_of_a_newer_format_asks_for_a_newer_minscope(finished_run, tmp_path):
+    old = older(finished_run, tmp_path, FORMAT_VERSION + 1)
+    with pytest.raises(SystemExit, match="by a newer minscope than this one"):
+        eval_cli.main([str(old), "--report-only"])
+
+
+def test_a_toy_run_without_a_format_is_refused_before_any_model_is_built(tmp_path):
+    run = tmp_path / "toy"
+    (run / "arms").mkdir(parents=True)
+    config = experiment.asdict(experiment.ToyConfig(name="toy", methods=("single",), seeds=(0,)))
+    (run / "config.json").write_text(json.dumps(config, default=list))
+    (run / "arms" / "single-s0.jsonl").write_text(json.dumps({"kind": "train", "method": "single", "seed": 0,
+                                                              "step": 0, "train_reward": 0.5}) + "\n")
+    with pytest.raises(SystemExit, match="was written in run-folder format 1"):
+        train_cli.main(["--resume", str(run), "--cache-dir", str(tmp_path / "cache")])
+    with pytest.raises(SystemExit, match="was written in run-folder format 1"):
+        experiment.run(experiment.load_config(run / "config.json"), resume=True, run_dir=run,
+                       cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
