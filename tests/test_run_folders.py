@@ -4,16 +4,21 @@ in, and a record with a field of the wrong type is one message (or a skipped fie
 traceback."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import eval as eval_cli
 import train as train_cli
-from minscope import experiment
+from minscope import experiment, files
 from minscope.models import build_tiny_model
 from minscope.runfolder import FORMAT_VERSION, FORMATS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_policies(mp, tokenizer):
@@ -122,3 +127,94 @@ def test_a_toy_run_without_a_format_is_refused_before_any_model_is_built(tmp_pat
         experiment.run(experiment.load_config(run / "config.json"), resume=True, run_dir=run,
                        cache_dir=tmp_path / "cache")
     assert not (tmp_path / "cache").exists()
+
+
+# --------------------------------------------------------------------------- 3. one trainer per folder
+@pytest.fixture
+def dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def write_lock(folder: Path, pid: int, flock: int, **ident) -> str:
+    me = files.lock_identity()
+    text = "\n".join([str(pid)] + [f"{k} {v}" for k, v in {**me, **ident}.items() if k != "pid"]
+                     + [f"flock {flock}"]) + "\n"
+    (folder / "lock").write_text(text)
+    return text
+
+
+@pytest.mark.parametrize("flock", [0, 1])
+def test_a_lock_of_another_pid_namespace_or_host_counts_as_alive(tmp_path, dead_pid, flock):
+    # before: the holder's pid, looked up in this namespace (where it is a dead pid), was taken
+    # for a dead trainer and its lock taken over: two trainers in one folder
+    cases = [dict(pidns="pid:[1]"), dict(host="elsewhere", boot="another-kernel", pidns="pid:[1]")]
+    if flock:           # a free flock proves nothing on another kernel; on this one it is checked (below)
+        cases = cases[1:]
+    for ident in cases:
+        text = write_lock(tmp_path, dead_pid, flock, **ident)
+        with pytest.raises(SystemExit) as e:
+            files.RunLock(tmp_path).acquire()
+        message = str(e.value.code)
+        assert f"process {dead_pid} holds {tmp_path / 'lock'}, and whether it still runs cannot be checked" in message
+        assert f"delete {tmp_path / 'lock'} by hand" in message
+        assert ("another pid namespace" if "host" not in ident else "host elsewhere") in message
+        assert (tmp_path / "lock").read_text() == text
+
+
+HOLD = """import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(files.WINDOWS, reason="flock is POSIX")
+def test_a_holder_in_another_namespace_on_this_kernel_is_checked_by_its_flock(tmp_path, dead_pid):
+    # a held flock: alive, whatever its pid says here; a free one: gone (the kernel drops it with
+    # its process), so the lock is taken over with a note
+    text = write_lock(tmp_path, dead_pid, 1, pidns="pid:[1]")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(SystemExit, match=f"in use: process {dead_pid} is training in it"):
+            files.RunLock(tmp_path).acquire()
+        assert (tmp_path / "lock").read_text() == text
+    finally:
+        holder.kill()
+        holder.wait()
+    notes = []
+    lock = files.RunLock(tmp_path, warn=notes.append).acquire()
+    assert len(notes) == 1 and f"process {dead_pid}, which is no longer running" in notes[0]
+    assert files.RunLock(tmp_path).record()["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / "lock").exists()
+
+
+UNSHARED = """import sys
+from minscope.files import RunLock
+try:
+    RunLock(sys.argv[1]).acquire()
+    print("took it")
+except SystemExit as e:
+    print(e)
+"""
+
+
+def test_a_trainer_in_another_pid_namespace_is_refused_the_folder_of_a_live_one(tmp_path):
+    # the break-it case itself: a second trainer under `unshare --pid --fork --mount-proc`, where
+    # this process's pid does not exist (before: it took the lock over and both trained)
+    unshare = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
+    probe = subprocess.run(unshare + ["true"], capture_output=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode:
+        pytest.skip("no `unshare --pid` here (the hand-written locks above cover the case)")
+    lock = files.RunLock(tmp_path).acquire()
+    try:
+        other = subprocess.run(unshare + [sys.executable, "-c", UNSHARED, str(tmp_path)], capture_output=True,
+                               text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert f"is in use: process {os.getpid()} is training in it" in other.stdout, other.stdout + other.stderr
+        assert files.RunLock(tmp_path).record()["pid"] == os.getpid()
+    finally:
+        lock.release()
