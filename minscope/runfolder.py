@@ -99,26 +99,107 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
 
-# fields of the logs' records that the monitor, the reports and a resume compute with
+# --------------------------------------------------------------------------- the records' fields
+# What the readers of a log (the monitor, the reports, a resume) compute with, by field: a field
+# of another type is damage, one message naming the file, the line and the field (`read_log`).
+# Fields no reader reads are not checked.
 NUMERIC_FIELDS = ("train_reward", "panel_mean", "policy_entropy", "zero_var_frac", "real_users", "unseen", "seen",
                   "panel", "seconds", "rollout_s", "update_s", "eval_s", "policy_loss", "kl", "entropy",
-                  "exact_stream_frac", "skipped_steps")
+                  "exact_stream_frac", "skipped_steps", "tokens_generated", "tokens_prefilled", "act_entropy",
+                  "invalid_acts", "sim_clip_frac", "eval_temperature", "tasks", "sim_a_exploit_value",
+                  # P4G's readings (real_report.READINGS), the pool's diversity (report.POOL_KEYS)
+                  "readout_decision", "readout_asked", "reward_parsed", "reward_sampled", "readout_coverage",
+                  "pairwise_tv", "pairwise_floor", "pairwise_tv_excess", "tv_sim_a", "tv_real", "exploit_value",
+                  "cue_rate", "real_cue_rate")
+NEEDED_NUMBERS = ("train_reward", "panel_mean", "panel", "real_users")    # a number, never null
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _maybe_number(v) -> bool:
+    return v is None or _number(v)
+
+
+def _text(v) -> bool:
+    return isinstance(v, str)
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _numbers(v) -> bool:
+    return isinstance(v, list) and all(_number(x) for x in v)
+
+
+def _interval(v) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(_maybe_number(x) for x in v)
+
+
+def _number_map(v) -> bool:
+    return isinstance(v, dict) and all(_maybe_number(x) for x in v.values())
+
+
+def _dialogues(v) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(d, dict) and _text(d.get("text")) and _number(d.get("reward"))
+        and all(_text(d[k]) for k in ("with", "persona") if k in d)
+        and (d.get("task") is None or isinstance(d["task"], (str, int, float))) for d in v)
+
+
+def _probe(v) -> bool:
+    return isinstance(v, dict) and all(_number_map(m) for m in v.values())
+
+
+def _by_age(v) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(k, str) and k.isdigit() and isinstance(a, dict)
+        and all(_number(a.get(x)) for x in ("tokens", "clip_frac", "abs_log_ratio")) for k, a in v.items())
+
+
+FIELD_TYPES = {"kind": (_text, "a text"), "method": (_text, "a text"), "signal": (_text, "a text"),
+               "split": (_text, "a text"), "top_sequence": (_text, "a text"), "detail": (_text, "a text"),
+               "step": (_whole, "a whole number"), "seed": (_whole, "a whole number"),
+               "dialogues": (_dialogues, "a list of dialogues (text, reward, with)"),
+               "transcripts": (lambda v: isinstance(v, list) and all(map(_text, v)), "a list of texts"),
+               "probe": (_probe, "a table of numbers per member"), "meter": (_number_map, "a table of numbers"),
+               "compute": (_number_map, "a table of numbers"), "compute_total": (_number_map, "a table of numbers"),
+               "real_users_rewards": (_numbers, "a list of numbers"),
+               "sim_ratio_by_age": (_by_age, "a table of tokens, clip_frac, abs_log_ratio per age")}
+
+
+def field_problem(rec: dict, key: str) -> str | None:
+    """What is wrong with `rec[key]` for the readers (None: nothing)."""
+    value = rec[key]
+    if key in FIELD_TYPES:
+        ok, what = FIELD_TYPES[key]
+    elif key.endswith("_ci95"):
+        ok, what = _interval, "an interval [lo, hi]"
+    elif key in NEEDED_NUMBERS:
+        ok, what = _number, "a number"
+    elif key in NUMERIC_FIELDS or key.endswith("_se") or rec.get("kind") == "eval":
+        ok, what = _maybe_number, "a number"     # an evaluation's other fields: its members' means
+    else:
+        return None
+    if ok(value):
+        return None
+    shown = repr(value)
+    return f"\"{key}\" is {shown if len(shown) <= 60 else shown[:57] + '...'}, not {what}"
 
 
 def record_problem(rec: dict) -> str | None:
     """What makes a parsed log record unusable (None: nothing): no `kind`, a `step` that is not
-    a whole number, a text where a number belongs, an alarm without its signal."""
-    def number(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    a whole number, a field of the wrong type (`field_problem`), an alarm without its signal."""
     if not isinstance(rec.get("kind"), str):
         return "a record without a \"kind\""
-    if "step" in rec or rec["kind"] in ("train", "eval", "alarm"):
-        step = rec.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            return f"\"step\" is {step!r}, not a whole number"
-    for key in NUMERIC_FIELDS:
-        if rec.get(key) is not None and not number(rec[key]):
-            return f"\"{key}\" is {rec[key]!r}, not a number"
+    if "step" not in rec and rec["kind"] in ("train", "eval", "alarm"):
+        return "\"step\" is None, not a whole number"
+    for key in rec:
+        why = field_problem(rec, key)
+        if why:
+            return why
     if rec["kind"] == "alarm" and not isinstance(rec.get("signal"), str):
         return "an alarm record without its \"signal\""
     return None

@@ -55,7 +55,7 @@ from tqdm.auto import tqdm
 from . import distributed
 from .envs.base import task_label
 from .evaluate import eval_seed, evaluate_panel, isolated_rng
-from .files import RunLock, read_jsonl, save_atomic, truncate_log, write_text_atomic
+from .files import RunLock, save_atomic, truncate_log, write_text_atomic
 from .files import load_state as load_state_file
 from .loop import Log, run_loop
 from .methods import train_step
@@ -293,7 +293,7 @@ def run_real(args):
     monitor = CollapseMonitor(cfg=MonitorConfig(**(setting(args, "monitor") or {})), panel_key="unseen",
                               real_key=None)
     if log_path.exists():
-        monitor.replay(read_jsonl(log_path, warn=lambda msg: None))
+        monitor.replay(read_log(log_path, warn=lambda msg: None))
 
     def evaluate(step):                        # rank 0 alone evaluates (and saves the adapters)
         if not main:
@@ -345,7 +345,7 @@ def run_real(args):
         run_loop(args.steps, args.eval_every, train, evaluate, Log(write, monitor, tqdm.write), save, keep_best,
                  score="panel_mean", start=start, best=best, desc=f"{args.env}/{args.method}", progress=main)
     if main:
-        say("\n".join(reward_curve(read_jsonl(log_path, warn=lambda msg: None))))
+        say("\n".join(reward_curve(read_log(log_path, warn=lambda msg: None))))
         say(f"report (training log, curves, dialogues): {write_real_report(run_dir, evaluate=False)} and "
             f"report.html; `python eval.py {run_dir}` evaluates the policy on every test task")
     say(f"done: {run_dir}")

@@ -3,6 +3,7 @@ the format it was written in, one trainer per folder whatever pid namespace or h
 in, and a record with a field of the wrong type is one message (or a skipped field), never a
 traceback."""
 
+import copy
 import json
 import os
 import shutil
@@ -11,10 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import eval as eval_cli
 import train as train_cli
-from minscope import experiment, files
+from minscope import experiment, files, monitor, report
 from minscope.models import build_tiny_model
 from minscope.runfolder import FORMAT_VERSION, FORMATS
 
@@ -218,3 +221,68 @@ def test_a_trainer_in_another_pid_namespace_is_refused_the_folder_of_a_live_one(
         assert files.RunLock(tmp_path).record()["pid"] == os.getpid()
     finally:
         lock.release()
+
+
+# --------------------------------------------------------------------------- 4. a field of the wrong type
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats() | st.text(max_size=6),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                    max_leaves=6)
+P4G_RECORDS = [      # what a P4G run with a trained persuadee logs besides (envs/p4g.py readings, probe)
+    {"kind": "eval", "step": 2, "split": "test", "tasks": 1, "persuadee": 0.4, "unseen": 0.4, "unseen_se": 0.1,
+     "panel_mean": 0.4, "readout_decision": 0.4, "readout_asked": 0.3, "reward_parsed": 0.2, "readout_coverage": 0.9,
+     "probe": {"live": {"ask": 1.2, "refuse": 0.1}, "pool, step 0": {"ask": 0.9, "refuse": None}}},
+    {"kind": "train", "step": 1, "train_reward": 0.5, "zero_var_frac": 0.0, "policy_entropy": 1.0, "reward_parsed": 0.1,
+     "readout_asked": 0.2, "rollout_s": 1.0, "update_s": 1.0, "seconds": 2.0, "exact_stream_frac": 1.0},
+    {"kind": "alarm", "step": 1, "signal": "zero_var", "value": 1.0, "detail": "zero-variance groups 1.00 > 0.8"},
+]
+
+
+def damaged_field_check(run: Path, records: list[dict], tools, examples: int):
+    """Any JSON value in any field of any record (or in a new field) -> every tool either
+    writes a whole report or stops with one RunFileError naming the file, line and field."""
+    fields = [(i, key) for i, rec in enumerate(records) for key in [*rec, "extra"]]
+
+    @settings(max_examples=examples, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(st.sampled_from(fields), JSON)
+    def check(where, value):
+        i, key = where
+        recs = copy.deepcopy(records)
+        recs[i][key] = value
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        for name in ("report.md", "report.html"):
+            (run / name).unlink(missing_ok=True)
+        for tool in tools:
+            try:
+                tool(run)
+            except files.RunFileError as e:
+                message = str(e.code)
+                assert f"metrics.jsonl is damaged: line {i + 1}: " in message and f'"{key}"' in message, message
+                return
+        assert "## Training log" in (run / "report.md").read_text() or "# minscope toy" in (run / "report.md").read_text()
+        assert (run / "report.html").read_text().rstrip().endswith("</html>")
+    check()
+
+
+@pytest.fixture
+def no_png(monkeypatch):
+    """The plots are drawn from the records, not rendered (the property test's time)."""
+    import matplotlib.figure
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **kw: None)
+
+
+def test_any_value_in_any_field_of_a_real_run_log_is_a_report_or_one_message(finished_run, tmp_path, no_png):
+    # before: eval.py --report-only ended in a traceback ("Unknown format code 'f' for object of type
+    # 'str'", real_report._f) for a text in a member's mean; so did the monitor and a resume
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    tools = [lambda r: eval_cli.main([str(r), "--report-only"]), lambda r: monitor.main([str(r)])]
+    damaged_field_check(run, records(finished_run) + P4G_RECORDS, tools, examples=60)
+
+
+def test_any_value_in_any_field_of_a_toy_run_log_is_a_report_or_one_message(tmp_path, no_png):
+    run = tmp_path / "toy"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "toy_run", run)
+    reference = experiment.reference_values(8.0)         # (what eval.py --report-only computes first)
+    damaged_field_check(run, records(run), [lambda r: report.write_report(r, reference)], examples=25)
