@@ -196,6 +196,18 @@ def test_a_holder_in_another_namespace_on_this_kernel_is_checked_by_its_flock(tm
     assert not (tmp_path / "lock").exists()
 
 
+def test_without_proc_the_lock_goes_by_host_flock_and_pid(tmp_path, monkeypatch, dead_pid):
+    # macOS has no /proc: no boot id or pid namespace to record; the host and the flock decide
+    monkeypatch.setattr(files, "lock_identity", lambda: {"pid": os.getpid(), "host": "mac"})
+    (tmp_path / "lock").write_text(f"{dead_pid}\nhost mac\nflock 1\n")
+    notes = []
+    files.RunLock(tmp_path, warn=notes.append).acquire().release()
+    assert len(notes) == 1 and "no longer running" in notes[0]
+    (tmp_path / "lock").write_text(f"{dead_pid}\nhost other-mac\nflock 1\n")
+    with pytest.raises(SystemExit, match="it ran on host other-mac"):
+        files.RunLock(tmp_path).acquire()
+
+
 UNSHARED = """import sys
 from minscope.files import RunLock
 try:
