@@ -101,7 +101,7 @@ def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) ->
 
 def main(argv=None):
     from minscope.files import read_json
-    from minscope.runfolder import read_log
+    from minscope.runfolder import check_format, read_log
 
     args = parse_args(argv)
     if args.report_only and args.meter:
@@ -110,6 +110,7 @@ def main(argv=None):
     if not (run_dir / "metrics.jsonl").exists():
         raise SystemExit(f"{run_dir} has no metrics.jsonl: pass a directory written by train.py")
     config = read_json(run_dir / "config.json")
+    check_format(config, run_dir, "evaluate")     # a run of another format: one line, before any work
     read_log(run_dir / "metrics.jsonl")      # a damaged log: one message naming it, before any work
     if "models" not in config:       # a real-model run (train.py --env p4g / tau2 / wordgame)
         from minscope.errors import RunStopped

@@ -425,12 +425,15 @@ def check_args(p, args):
 
 def run_toy(args):
     from minscope import experiment, report
+    from minscope.files import read_json
     from minscope.report import fmt
+    from minscope.runfolder import check_format
 
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "config.json").is_file():
             raise SystemExit(f"--resume {run_dir}: no config.json there; pass a run directory written by train.py")
+        check_format(read_json(run_dir / "config.json"), run_dir, "resume")   # before its settings are read
         cfg = experiment.load_config(run_dir / "config.json")
         if args.steps is not None and args.steps != cfg.steps:
             raise SystemExit(f"--steps {args.steps}: a toy run keeps its settings on --resume ({cfg.steps} "

@@ -39,7 +39,7 @@ from .armpool import default_workers, run_pool
 from .diversity import member_profile, pool_diversity
 from .envs.toy import act_entropy
 from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
-from .files import RunLock, load_state, read_jsonl, save_atomic, write_text_atomic
+from .files import RunLock, load_state, save_atomic, write_text_atomic
 from .loop import Log, run_loop
 from .methods import Method, train_step
 from .models import adapter_state, load_adapter_state
@@ -158,7 +158,7 @@ def run_arm(toy: Toy, method: str, seed: int, run_dir: Path, write, stop_after: 
         if state.get("finished"):
             return
         if hasattr(write, "path"):              # the monitor's state is a function of the log
-            monitor.replay(read_jsonl(write.path, warn=lambda msg: None))
+            monitor.replay(runfolder.read_log(write.path, warn=lambda msg: None))
     steps = 0 if method == "base" else c.steps
     tasks = toy.env.tasks()
 
@@ -251,7 +251,7 @@ def _run_logged(toy, method, seed, run_dir: Path, stop_after=None, progress=True
     state_path = arms / f"{arm_name(method, seed)}.pt"
     log.trim(load_state(state_path)["step"] if state_path.exists() else -1)
     run_arm(toy, method, seed, run_dir, log, stop_after, progress)
-    last = [r for r in read_jsonl(log.path) if r["kind"] == "eval"][-1]
+    last = [r for r in runfolder.read_log(log.path) if r["kind"] == "eval"][-1]
     return method, seed, last["real_users"]
 
 
@@ -337,8 +337,11 @@ def cached_fidelity(models: ToyModels, gamma: float, with_aligned: bool) -> dict
 
 def _run(cfg: ToyConfig, run_dir: Path, cache_dir, resume: bool, log, progress, stop_after) -> Path:
     if resume:
+        if (run_dir / "config.json").exists():
+            runfolder.check_format(runfolder.read_json(run_dir / "config.json"), run_dir, "resume")
         check_saved_arms(run_dir, cfg.arms())
-    write_text_atomic(run_dir / "config.json", json.dumps(asdict(cfg), indent=2, default=list))
+    write_text_atomic(run_dir / "config.json", json.dumps({**asdict(cfg), **runfolder.format_fields()}, indent=2,
+                                                          default=list))
     models = ToyModels(cache_dir, cfg.models, progress=progress, log=log)
     models.build()
     fid_path = run_dir / "fidelity.json"

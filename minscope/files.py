@@ -6,8 +6,8 @@ these functions. Reads: a damaged file stops the run with one message naming the
 (`RunFileError`), except the one damage an interruption does leave behind, a half-written
 last line of an append-only JSONL log, which is dropped with a note.
 
-`RunLock` keeps two processes from training in one run folder at once (POSIX: `fcntl.flock`;
-Windows: `msvcrt.locking`).
+`RunLock` keeps two processes from training in one run folder at once, also from two pid
+namespaces (containers) or hosts (POSIX: `fcntl.flock`; Windows: `msvcrt.locking`).
 """
 
 from __future__ import annotations
@@ -159,14 +159,55 @@ def _windows_pid_alive(pid: int) -> bool:
         kernel32.CloseHandle(handle)
 
 
-class RunLock:
-    """`RUN_DIR/lock` holds the pid of the process training in RUN_DIR. A second process is
-    refused while that pid is alive; a lock whose process is gone (killed, crashed) is taken
-    over with a note. The lock is removed by `release()` or when the process exits.
+def lock_identity() -> dict:
+    """Who takes a run lock: the pid, the host name, the kernel's boot id (the same in every
+    container of one kernel, new at every boot) and the pid namespace (the pid means something
+    only inside it). Where there is no /proc (macOS, Windows) the last two are missing."""
+    import socket
 
-    Taking it is atomic: the pid is written to a private file first, which is then hard-linked
-    to `lock` (a link never replaces an existing file), so no process ever reads an empty
-    lock. Checking a holder and taking over a dead one's lock happen under an `flock` of the
+    ident = {"pid": os.getpid(), "host": socket.gethostname()}
+    with contextlib.suppress(OSError):
+        ident["boot"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    with contextlib.suppress(OSError, AttributeError):
+        ident["pidns"] = os.readlink("/proc/self/ns/pid")
+    return ident
+
+
+def _life_flock(fd: int, exclusive: bool) -> bool | None:
+    """A non-blocking `flock` of the open file `fd`: True when taken, False when another open
+    file holds it, None where there is none (Windows; a file system without flock)."""
+    if WINDOWS:
+        return None
+    import fcntl
+
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:          # ENOLCK, EOPNOTSUPP: this file system keeps no flocks
+        return None
+
+
+class RunLock:
+    """`RUN_DIR/lock` names the process training in RUN_DIR: its pid on the first line, then its
+    host, boot id and pid namespace (`lock_identity`), and whether it holds the lock file's
+    `flock` for its whole life. A second process is refused while that holder may be alive; the
+    lock of one that is certainly gone (killed, crashed) is taken over with a note. The lock is
+    removed by `release()` or when the process exits.
+
+    Is the holder alive? The kernel drops an `flock` with its process, and one kernel sees every
+    flock of its files, whatever pid namespace (container) took it: a held flock means alive, a
+    free one means gone when the holder ran on this kernel (the same boot id). A holder on another
+    kernel (another host: NFS shares files between hosts, but not reliably their locks) or, without
+    a flock, in another pid namespace cannot be checked, so it counts as alive: the refusal says
+    how to clear the lock by hand. Without a flock (Windows, or a file system that keeps none) a
+    holder of this host and namespace is checked by its pid; so is a bare-pid lock left by an
+    older minscope.
+
+    Taking it is atomic: the identity is written to a private file first, flocked, then
+    hard-linked to `lock` (a link never replaces an existing file), so no process ever reads an
+    empty lock. Checking a holder and taking over a dead one's lock happen under an `flock` of the
     run folder itself, which the kernel releases when its process dies: two processes that both
     find a stale lock cannot both remove it and both take it. (Windows, which cannot lock a
     folder: a `msvcrt.locking` byte lock of `RUN_DIR/lock.guard`, also dropped with its process.)"""
@@ -175,37 +216,92 @@ class RunLock:
         self.path = Path(run_dir) / "lock"
         self.warn = warn
         self.held = False
+        self.me = lock_identity()
+        self._fd = None                 # the open lock file whose flock this process holds
+
+    def record(self) -> dict | None:
+        """The holder's identity as `lock` records it (None: no lock, or an unreadable one)."""
+        try:
+            lines = self.path.read_text().splitlines()
+            rec = {"pid": int(lines[0].split()[0])}
+        except (OSError, ValueError, IndexError, UnicodeDecodeError):
+            return None      # gone, or an empty file left by an older minscope killed while taking it
+        for line in lines[1:]:
+            key, _, value = line.partition(" ")
+            rec[key] = value
+        return rec
 
     def holder(self) -> int | None:
-        try:
-            return int(self.path.read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            return None      # gone, or an empty file left by an older minscope killed while taking it
+        rec = self.record()
+        return rec and rec["pid"]
+
+    def _mine(self, rec) -> bool:
+        return rec is not None and all(rec.get(k) == str(v) if k != "pid" else rec[k] == v
+                                       for k, v in self.me.items())
 
     def _link(self) -> bool:
-        """Make `lock` hold this pid, if no lock exists; False if one does."""
+        """Make `lock` hold this process's identity, if no lock exists; False if one does."""
         tmp = self.path.with_name(f"lock.{os.getpid()}.tmp")
-        tmp.write_text(f"{os.getpid()}\n")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        flocked = _life_flock(fd, exclusive=True)
+        os.write(fd, ("\n".join([str(self.me["pid"])] + [f"{k} {v}" for k, v in self.me.items() if k != "pid"]
+                                + [f"flock {int(bool(flocked))}"]) + "\n").encode())
+        if not flocked:                 # nothing to hold open (and Windows removes no open file)
+            os.close(fd)
+            fd = None
         try:
             os.link(tmp, self.path)
-            return True
         except FileExistsError:
+            if fd is not None:
+                os.close(fd)
             return False
         finally:
             tmp.unlink(missing_ok=True)
+        self._fd = fd                   # held open (and flocked) until release or exit
+        return True
+
+    def _alive(self, rec) -> str | None:
+        """Why the holder `rec` may still be training (None: it is certainly gone)."""
+        pid, host = rec["pid"], rec.get("host")
+        if rec.get("flock") == "1":
+            with contextlib.suppress(OSError):
+                fd = os.open(self.path, os.O_RDONLY)
+                try:
+                    free = _life_flock(fd, exclusive=False)
+                finally:
+                    os.close(fd)
+                if free is False:
+                    return "alive"              # it holds its flock: it runs
+                same_kernel = rec.get("boot") == self.me.get("boot") and (
+                    rec.get("boot") is not None or host == self.me["host"])
+                if free and same_kernel:
+                    return None                 # this kernel would hold its flock for it
+        if host is not None and (host != self.me["host"] or rec.get("boot") != self.me.get("boot")):
+            return f"unknown: it ran on host {host}" + (" (another kernel: another machine, or before a reboot)"
+                                                        if host == self.me["host"] else "")
+        if rec.get("pidns") is not None and rec["pidns"] != self.me.get("pidns"):
+            return f"unknown: it ran in another pid namespace ({rec['pidns']}: another container)"
+        return "alive" if pid_alive(pid) else None
 
     def acquire(self) -> "RunLock":
         with _folder_lock(self.path.parent):
             if not self._link():
-                pid = self.holder()
-                if pid == os.getpid():           # this process holds it already
+                rec = self.record()
+                if self._mine(rec):               # this process holds it already
                     self.held = True
                     return self
-                if pid is not None and pid_alive(pid):
+                why = self._alive(rec) if rec is not None else None
+                pid = rec and rec["pid"]
+                if why == "alive":
                     raise RunFileError(
                         f"{self.path.parent} is in use: process {pid} is training in it (see {self.path}). "
                         f"Wait for it to finish or stop it; if process {pid} is not a run of this "
                         f"folder, delete {self.path}")
+                if why is not None:
+                    raise RunFileError(
+                        f"{self.path.parent} is in use: process {pid} holds {self.path}, and whether it still "
+                        f"runs cannot be checked from here ({why.partition(': ')[2]}). If no process is "
+                        f"training in this folder any more, delete {self.path} by hand and try again")
                 self.warn(f"{self.path}: taking over the lock of process {pid}, which is no longer "
                           "running (an interrupted or killed run)")
                 self.path.unlink(missing_ok=True)
@@ -218,8 +314,11 @@ class RunLock:
     def release(self) -> None:
         if self.held:
             with _folder_lock(self.path.parent):
-                if self.holder() == os.getpid():
+                if self._mine(self.record()):
                     self.path.unlink(missing_ok=True)
+        if self._fd is not None:
+            os.close(self._fd)          # closing it releases its flock
+            self._fd = None
         self.held = False
         atexit.unregister(self.release)
 

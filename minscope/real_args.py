@@ -13,6 +13,7 @@ from pathlib import Path
 from .envs.base import read_personas
 from .files import read_json
 from .methods import METHODS
+from .runfolder import check_format
 from .served import is_spec, parse_spec
 
 REAL_METHODS = tuple(m for m in METHODS if m != "oracle")   # oracle needs scripted real users
@@ -152,6 +153,7 @@ def restore_args(args) -> argparse.Namespace:
     saved = read_json(config_path)
     if "models" in saved:
         raise SystemExit(f"{run_dir} is a toy run: resume it with `python train.py --resume {run_dir}`")
+    check_format(saved, run_dir, "resume")
     check_saved_settings(saved, config_path)
     if args.env not in ("toy", saved.get("env")):    # "toy" is train.py's default: not given
         raise SystemExit(f"{run_dir} is a --env {saved.get('env')} run; resume it with "

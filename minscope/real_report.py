@@ -38,12 +38,13 @@ import numpy as np
 import torch
 
 from .evaluate import evaluate_panel, pass_hat_k, summarize
-from .files import RunFileError, read_json, read_jsonl
+from .files import RunFileError, read_json
 from .models import load_adapter
 from .real_args import eval_tasks, make_env
 from .real_models import build_models, models_thinking
 from .readout import low_coverage
 from .report_html import code_fence, write_html, write_report_file
+from .runfolder import read_log
 
 SUCCESS = 1.0 - 1e-6           # tau2 rewards are products of 0/1 evaluator scores
 # (label, lo, hi): lo <= donation < hi, so every amount (99.5 cents too) lands in one bin
@@ -315,7 +316,7 @@ def cooperbench_sections(members: dict, trials: int) -> list[str]:
 def training_log(run_dir: Path) -> list[str]:
     """The evaluations train.py logged, and the training reward's first and last values."""
     path = run_dir / "metrics.jsonl"
-    recs = read_jsonl(path) if path.exists() else []   # a damaged log: one message naming it
+    recs = read_log(path) if path.exists() else []   # a damaged log: one message naming it, line and field
     evals = [r for r in recs if r.get("kind") == "eval"]
     train = [r["train_reward"] for r in recs if r.get("kind") == "train"]
     out = ["## Training log", ""]
@@ -368,7 +369,7 @@ def timings(steps: list[dict], evals: list[dict]) -> list[str]:
         return []
 
     def mean(key, recs):
-        vals = [r[key] for r in recs if key in r]
+        vals = [r[key] for r in recs if r.get(key) is not None]
         return _f(float(np.mean(vals)), 1) if vals else "n/a"
 
     out = ["", f"Time per training step (mean over {len(steps)} steps): rollout {mean('rollout_s', steps)} s, "
@@ -377,7 +378,7 @@ def timings(steps: list[dict], evals: list[dict]) -> list[str]:
     if any("tokens_generated" in r for r in steps):
         out.append(f"Tokens per step: {mean('tokens_generated', steps)} generated, "
                    f"{mean('tokens_prefilled', steps)} prefilled (fed to the model before sampling).")
-    fracs = [r["exact_stream_frac"] for r in steps if "exact_stream_frac" in r]
+    fracs = [r["exact_stream_frac"] for r in steps if r.get("exact_stream_frac") is not None]
     if fracs:
         out.append(f"Exact token streams: {_f(min(fracs), 2)} of the episodes at the lowest step "
                    "(below 0.9 the run stops).")
@@ -450,11 +451,16 @@ def render_report(run_dir: Path, result: dict | None, transcripts_per_member: in
     return "\n".join(lines) + "\n"
 
 
+def _value(rec: dict, key: str) -> float:
+    """A logged number for a plot: NaN where the record has none (a gap in the line)."""
+    return np.nan if rec.get(key) is None else rec[key]
+
+
 def training_curves(run_dir: Path) -> str | None:
     """curves.png: the training reward per step (with the P4G readings when logged) and the
     panel means of the evaluations; None when the log has no training step."""
     path = run_dir / "metrics.jsonl"
-    recs = read_jsonl(path, warn=lambda msg: None) if path.exists() else []
+    recs = read_log(path, warn=lambda msg: None) if path.exists() else []
     train, evals = [r for r in recs if r.get("kind") == "train"], [r for r in recs if r.get("kind") == "eval"]
     if not train:
         return None
@@ -464,10 +470,10 @@ def training_curves(run_dir: Path) -> str | None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     for key in ("train_reward", *(k for k in READINGS if k in train[0] and k != "readout_decision")):
-        left.plot([r["step"] for r in train], [r.get(key, np.nan) for r in train], marker=".", label=key)
+        left.plot([r["step"] for r in train], [_value(r, key) for r in train], marker=".", label=key)
     left.set(title="training episodes", xlabel="step")
     for key in [k for k in ("panel_mean", "seen", "unseen", *READINGS) if evals and k in evals[0]]:
-        right.plot([r["step"] for r in evals], [r[key] for r in evals], marker="o", label=key)
+        right.plot([r["step"] for r in evals], [_value(r, key) for r in evals], marker="o", label=key)
     right.set(title="evaluations (held-out tasks)", xlabel="step")
     for ax in (left, right):
         ax.legend(fontsize=8)
@@ -482,7 +488,7 @@ def logged_dialogues(run_dir: Path) -> list:
     """report.html's dialogues: those train.py kept at the first and the last training step
     and evaluation that logged them (`runner.dialogue`)."""
     path = run_dir / "metrics.jsonl"
-    recs = [r for r in (read_jsonl(path, warn=lambda msg: None) if path.exists() else []) if r.get("dialogues")]
+    recs = [r for r in (read_log(path, warn=lambda msg: None) if path.exists() else []) if r.get("dialogues")]
     out = []
     for kind, what in (("eval", "evaluation"), ("train", "training")):
         mine = [r for r in recs if r["kind"] == kind]

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import read_json, read_jsonl
+from .files import read_json
+from .runfolder import read_log
 from .monitor import first_alarms
 from .report_html import code_fence, write_html, write_report_file
 from .seedstats import paired, t_interval
@@ -248,7 +249,7 @@ def plots(records, out_dir: Path) -> list[str]:
                 continue
             n = min(len(s) for s in series)
             steps = [r["step"] for r in series[0][:n]]
-            vals = np.array([[r[key] for r in s[:n]] for s in series])
+            vals = np.array([[np.nan if r.get(key) is None else r[key] for r in s[:n]] for s in series], dtype=float)
             if n == 1:      # evaluated once (Base, the untrained policy): a level to compare with
                 ax.axhline(vals.mean(), linestyle="--", label=label(method), color=colors[method])
                 continue
@@ -518,7 +519,7 @@ def table_row(r) -> str:
 
 def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
     run_dir = Path(run_dir)
-    records = read_jsonl(run_dir / "metrics.jsonl")   # a damaged log: one message naming it
+    records = read_log(run_dir / "metrics.jsonl")   # a damaged log: one message naming it, line and field
     results = summarize(records, reference)
     write_report_file(run_dir / "results.json", json.dumps(results, indent=2))
     images = plots(records, run_dir)
@@ -640,7 +641,7 @@ def finished_records(run_dirs) -> tuple[list[dict], list[str]]:
                 raise SystemExit(f"{arm_name(method, seed)} is in both {seen[method, seed]} and {run_dir}")
             seen[method, seed] = run_dir
             log = run_dir / "arms" / f"{arm_name(method, seed)}.jsonl"
-            recs = read_jsonl(log, warn=lambda msg: None) if log.exists() else []
+            recs = read_log(log, warn=lambda msg: None) if log.exists() else []
             last = 0 if method == "base" else steps
             if any(r["kind"] == "eval" and r["step"] == last for r in recs):
                 records += recs

@@ -55,7 +55,7 @@ from tqdm.auto import tqdm
 from . import distributed
 from .envs.base import task_label
 from .evaluate import eval_seed, evaluate_panel, isolated_rng
-from .files import RunLock, read_jsonl, save_atomic, truncate_log, write_text_atomic
+from .files import RunLock, save_atomic, truncate_log, write_text_atomic
 from .files import load_state as load_state_file
 from .loop import Log, run_loop
 from .methods import train_step
@@ -73,7 +73,7 @@ from .real_models import Models, build_real_method, default_rollout_batch, eval_
 from .real_report import format_episode, write_real_report
 from .readout import low_coverage
 from .rollout import StreamError, rollout_batch
-from .runfolder import read_log
+from .runfolder import check_resume_steps, format_fields, read_log
 from .served import served_speakers, take_usage
 
 TIMING_KEYS = ("seconds", "rollout_s", "update_s", "eval_s")   # wall times in metrics.jsonl
@@ -267,11 +267,13 @@ def run_real(args):
         run_dir.mkdir(parents=True, exist_ok=True)
         RunLock(run_dir).acquire()             # one process (job) per run folder; released at exit
     if args.resume and (run_dir / "state.pt").exists():
-        load_state_file(run_dir / "state.pt")  # a damaged state stops here, before any model loads
+        # a damaged state stops here, before any model loads; so does a --steps it has passed
+        check_resume_steps(run_dir, args.steps, load_state_file(run_dir / "state.pt")["step"])
     if args.resume and (run_dir / "metrics.jsonl").exists():
         read_log(run_dir / "metrics.jsonl", warn=lambda msg: None)     # so does a damaged log
     if main:
-        write_text_atomic(run_dir / "config.json", json.dumps({**vars(args), "resume": None}, indent=2))
+        write_text_atomic(run_dir / "config.json", json.dumps({**vars(args), "resume": None, **format_fields()},
+                                                              indent=2))
     models, method = build_real_method(args, env, personas)
     distributed.decorrelate(method.partner)    # ranks > 0: their own draws (a resume restores them)
     chunk = getattr(args, "rollout_batch", None) or default_rollout_batch(args, env, models)
@@ -296,7 +298,7 @@ def run_real(args):
     monitor = CollapseMonitor(cfg=MonitorConfig(**(setting(args, "monitor") or {})), panel_key="unseen",
                               real_key=None)
     if log_path.exists():
-        monitor.replay(read_jsonl(log_path, warn=lambda msg: None))
+        monitor.replay(read_log(log_path, warn=lambda msg: None))
 
     def evaluate(step):                        # rank 0 alone evaluates (and saves the adapters)
         if not main:
@@ -356,7 +358,7 @@ def run_real(args):
         run_loop(args.steps, args.eval_every, train, evaluate, Log(write, monitor, tqdm.write), save, keep_best,
                  score="panel_mean", start=start, best=best, desc=f"{args.env}/{args.method}", progress=main)
     if main:
-        say("\n".join(reward_curve(read_jsonl(log_path, warn=lambda msg: None))))
+        say("\n".join(reward_curve(read_log(log_path, warn=lambda msg: None))))
         say(f"report (training log, curves, dialogues): {write_real_report(run_dir, evaluate=False)} and "
             f"report.html; `python eval.py {run_dir}` evaluates the policy on every test task")
     say(f"done: {run_dir}")

@@ -130,6 +130,8 @@ def load_config(path) -> ToyConfig:
     from .files import RunFileError, read_json
 
     saved = read_json(path)
+    for key in ("format", "format_covers"):      # the run folder's format (runfolder.check_format)
+        saved.pop(key, None)
     try:
         models = ToyModelConfig(**saved.pop("models"))
         monitor = MonitorConfig(**saved.pop("monitor", {}))

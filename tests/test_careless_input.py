@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from minscope import monitor
+from minscope.runfolder import FORMAT_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,8 @@ with (run / "metrics.jsonl").open("a") as log:          # as runner.run_real: on
 
 def real_run_folder(run: Path) -> Path:
     run.mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps({"env": "numbers", "method": "single", "steps": 2}))
+    (run / "config.json").write_text(json.dumps({"format": FORMAT_VERSION,
+                                                 "env": "numbers", "method": "single", "steps": 2}))
     (run / "metrics.jsonl").write_text("")
     return run
 
@@ -129,7 +131,8 @@ def test_report_only_with_a_lone_surrogate_in_the_log_writes_a_whole_report(tmp_
 
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"env": "numbers", "method": "single", "steps": 1, "policy": "x"}))
+    (run / "config.json").write_text(json.dumps({"format": FORMAT_VERSION,
+                                                 "env": "numbers", "method": "single", "steps": 1, "policy": "x"}))
     dialogue = {"with": "asker", "task": "7", "reward": 0.0, "text": "say \ud800 a number"}
     recs = [{"kind": "train", "step": 0, "train_reward": 0.5, "dialogues": [dialogue]},
             {"kind": "eval", "step": 0, "panel_mean": 0.5, "asker": 0.5, "dialogues": [dialogue]}]
@@ -209,10 +212,12 @@ def test_monitor_set_refuses_a_threshold_that_would_silence_or_break_the_alarms(
 def test_a_damaged_monitor_block_in_config_json_is_one_message_naming_it(tmp_path):
     # before: TypeError (an unknown key) from MonitorConfig(**...)
     run = real_run_folder(tmp_path / "run")
-    (run / "config.json").write_text(json.dumps({"env": "numbers", "monitor": {"colour": 1}}))
+    (run / "config.json").write_text(json.dumps({"format": FORMAT_VERSION,
+                                                 "env": "numbers", "monitor": {"colour": 1}}))
     with pytest.raises(SystemExit, match=r"config.json is damaged: \"monitor\": unknown threshold 'colour'"):
         monitor.main([str(run)])
-    (run / "config.json").write_text(json.dumps({"env": "numbers", "monitor": {"zero_var": "high"}}))
+    (run / "config.json").write_text(json.dumps({"format": FORMAT_VERSION,
+                                                 "env": "numbers", "monitor": {"zero_var": "high"}}))
     with pytest.raises(SystemExit, match=r"\"monitor\": zero_var takes a number, not 'high'"):
         monitor.main([str(run)])
 
@@ -312,7 +317,8 @@ DAMAGED_LINES = [
 def damaged_real_run(tmp_path, line):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"env": "numbers", "method": "single", "policy": "x", "steps": 2}))
+    (run / "config.json").write_text(json.dumps({"format": FORMAT_VERSION,
+                                                 "env": "numbers", "method": "single", "policy": "x", "steps": 2}))
     (run / "metrics.jsonl").write_text("\n".join([GOOD, line, GOOD]) + "\n")
     return run
 
@@ -339,7 +345,8 @@ def test_a_setting_of_the_wrong_kind_in_config_json_is_one_message_naming_it(tmp
     import train as train_cli
 
     run = damaged_real_run(tmp_path, GOOD)
-    (run / "config.json").write_text(json.dumps({"env": "numbers", "method": "single", "policy": "x", "steps": 2,
+    (run / "config.json").write_text(json.dumps({"format": FORMAT_VERSION,
+                                                 "env": "numbers", "method": "single", "policy": "x", "steps": 2,
                                                  "groups": "many"}))
     with pytest.raises(SystemExit, match=r"config.json is damaged: 'groups' is 'many', not a whole number"):
         if tool == "resume":

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from minscope import experiment, report
+from minscope.runfolder import format_fields
 from minscope.toy_models import ToyModelConfig
 
 TINY_MODELS = ToyModelConfig(hidden=32, vocab=640, transcripts=120, vs_examples=40, sim_a_steps=10, vs_steps=10,
@@ -59,6 +60,7 @@ def test_interrupted_run_resumes_to_the_same_numbers(tmp_path, cache, straight, 
         experiment.run(cfg, tmp_path / "b", cache, log=lambda *a: None, progress=False, stop_after=2)
     resumed = experiment.run(cfg, tmp_path / "b", cache, resume=True, log=lambda *a: None, progress=False)
     assert records(resumed) == records(straight_run)
+    assert json.loads((resumed / "config.json").read_text())["format"] == format_fields()["format"]
     # the compute totals (minscope/compute.py) continue across the interruption: every record's
     # total is the steps' compute so far, from the saved state, not from 0 at the resumed step
     from minscope import compute
@@ -289,7 +291,7 @@ def test_toy_resume_keeps_the_runs_settings(tmp_path):
     run_dir = tmp_path / "toy"
     run_dir.mkdir()
     cfg = tiny_config("toy")
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=list))
+    (run_dir / "config.json").write_text(json.dumps({**dataclasses.asdict(cfg), **format_fields()}, default=list))
     with pytest.raises(SystemExit, match="keeps its settings"):
         train_cli.main(["--resume", str(run_dir), "--steps", str(cfg.steps + 10)])
     with pytest.raises(SystemExit, match="no config.json"):
@@ -364,7 +366,7 @@ def test_monitor_rewrites_a_run_folder_without_the_experiment(tmp_path):
     run_dir = tmp_path / "toy"
     (run_dir / "arms").mkdir(parents=True)
     cfg = tiny_config("toy", methods=("single", "vs"))
-    (run_dir / "config.json").write_text(json.dumps(experiment.asdict(cfg), default=list))
+    (run_dir / "config.json").write_text(json.dumps({**experiment.asdict(cfg), **format_fields()}, default=list))
     for method in ("vs", "single"):
         rec = {"kind": "train", "method": method, "seed": 0, "step": 0, "policy_entropy": 1.0, "zero_var_frac": 0.9}
         (run_dir / "arms" / f"{method}-s0.jsonl").write_text(json.dumps(rec) + "\n")

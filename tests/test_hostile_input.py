@@ -24,6 +24,7 @@ from minscope.envs.wordgame import Asker, WordGame
 from minscope.methods import build_method
 from minscope.models import add_adapters, build_tiny_model
 from minscope.rollout import LMSpeaker, rollout
+from minscope.runfolder import FORMAT_VERSION
 from minscope.served import ServedError, ServedSpeaker
 from minscope.trainer import UpdateConfig, grpo_update
 
@@ -329,7 +330,8 @@ def test_a_saved_hugging_face_folder_is_served_as_a_base_model(guarded, hf_folde
 
     assert guarded[0].startswith(f"serving base model {hf_folder} as model 'sim' at http://127.0.0.1:")
     assert not is_run_folder(hf_folder)
-    (tmp_path / "config.json").write_text(json.dumps({"env": "p4g", "policy": "Qwen/Qwen3-1.7B", "method": "vs"}))
+    (tmp_path / "config.json").write_text(json.dumps({"format": FORMAT_VERSION,
+                                                      "env": "p4g", "policy": "Qwen/Qwen3-1.7B", "method": "vs"}))
     assert is_run_folder(tmp_path)
 
 

@@ -20,6 +20,7 @@ from minscope.models import add_adapters, build_tiny_model, enable_checkpointing
 from minscope.real_models import eval_panel
 from minscope.real_report import training_log
 from minscope.rollout import Stream, rollout, rollout_batch
+from minscope.runfolder import FORMAT_VERSION
 from minscope.simulators import Frozen
 from minscope.trainer import UpdateConfig, grpo_update, make_optimizer
 
@@ -265,7 +266,8 @@ def test_a_run_saved_before_the_settings_were_flags_resumes_with_the_values_it_r
 
     from minscope import real_args
 
-    (tmp_path / "config.json").write_text(json.dumps({"env": "p4g", "method": "single", "steps": 4, "lr": 1e-5}))
+    (tmp_path / "config.json").write_text(json.dumps({"format": FORMAT_VERSION,
+                                                      "env": "p4g", "method": "single", "steps": 4, "lr": 1e-5}))
     args = real_args.restore_args(argparse.Namespace(resume=str(tmp_path), env="toy", steps=None, device=None,
                                                      seed=None, kl=None))
     assert (args.seed, args.temperature, args.kl, args.lora_r, args.lora_alpha, args.pool_size, args.pool_every,

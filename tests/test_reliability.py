@@ -21,6 +21,7 @@ from minscope.errors import RunStopped
 from minscope.methods import build_method, train_step
 from minscope.models import add_adapters, build_tiny_model
 from minscope.rollout import LMSpeaker, rollout
+from minscope.runfolder import FORMAT_VERSION, format_fields
 from minscope.toy_models import ToyModelConfig, ToyModels
 from minscope.trainer import MAX_NONFINITE_IN_A_ROW, UpdateConfig, grpo_update
 
@@ -39,7 +40,7 @@ def tiny_config(name="toy", methods=("single",), seeds=(0,), steps=2, workers=1)
 def saved_run(run_dir, cfg):
     """A run folder as train.py leaves it before the arms start (its fidelity check done)."""
     run_dir.mkdir(parents=True)
-    (run_dir / "config.json").write_text(json.dumps(experiment.asdict(cfg), default=list))
+    (run_dir / "config.json").write_text(json.dumps({**experiment.asdict(cfg), **format_fields()}, default=list))
     (run_dir / "fidelity.json").write_text("{}")
     return run_dir
 
@@ -94,7 +95,7 @@ def test_the_lock_of_a_dead_process_is_taken_over_with_a_note(tmp_path, dead_pid
     (tmp_path / "lock").write_text(f"{dead_pid}\n")
     notes = []
     lock = files.RunLock(tmp_path, warn=notes.append).acquire()
-    assert (tmp_path / "lock").read_text() == f"{os.getpid()}\n"
+    assert (tmp_path / "lock").read_text().startswith(f"{os.getpid()}\n")
     assert len(notes) == 1 and f"process {dead_pid}, which is no longer running" in notes[0]
     lock.release()
     assert not (tmp_path / "lock").exists()
@@ -103,7 +104,8 @@ def test_the_lock_of_a_dead_process_is_taken_over_with_a_note(tmp_path, dead_pid
 def test_resuming_a_live_toy_run_changes_nothing(tmp_path, live_pid):
     run_dir = tmp_path / "toy"
     run_dir.mkdir()
-    (run_dir / "config.json").write_text(json.dumps(experiment.asdict(tiny_config()), default=list))
+    config = {**experiment.asdict(tiny_config()), **format_fields()}
+    (run_dir / "config.json").write_text(json.dumps(config, default=list))
     (run_dir / "lock").write_text(f"{live_pid}\n")
     with pytest.raises(SystemExit, match="in use"):
         train_cli.main(["--resume", str(run_dir), "--cache-dir", str(tmp_path / "no-cache")])
@@ -174,7 +176,7 @@ def test_eval_keeps_the_previous_results_when_it_fails_halfway(tmp_path, monkeyp
     cfg = tiny_config(methods=("single", "vs"))
     run_dir = tmp_path / "toy"
     (run_dir / "arms").mkdir(parents=True)
-    (run_dir / "config.json").write_text(json.dumps(experiment.asdict(cfg), default=list))
+    (run_dir / "config.json").write_text(json.dumps({**experiment.asdict(cfg), **format_fields()}, default=list))
     (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 0}) + "\n")
     (run_dir / "eval.jsonl").write_text('{"old": 1}\n')
     (run_dir / "arms" / "single-s0.pt").write_bytes(b"")         # truncated by a crash
@@ -350,7 +352,7 @@ def saved_toy_run(tmp_path):
     cfg = tiny_config()
     run_dir = tmp_path / "toy"
     (run_dir / "arms").mkdir(parents=True)
-    (run_dir / "config.json").write_text(json.dumps(experiment.asdict(cfg), default=list))
+    (run_dir / "config.json").write_text(json.dumps({**experiment.asdict(cfg), **format_fields()}, default=list))
     lines = [{"kind": "eval", "method": "single", "seed": 0, "step": 0, "real_users": 0.5},
              {"kind": "train", "method": "single", "seed": 0, "step": 0}]
     (run_dir / "arms" / "single-s0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -364,7 +366,8 @@ def saved_toy_run(tmp_path):
     (lambda d: (d / "arms" / "single-s0.pt").write_bytes(
         (d / "arms" / "single-s0.pt").read_bytes()[:50]), "single-s0.pt is damaged"),
     (lambda d: (d / "config.json").write_text('{"name": "toy", '), "config.json is damaged"),
-    (lambda d: (d / "config.json").write_text('{"name": "toy", "models": {}, "colour": 1}'),
+    (lambda d: (d / "config.json").write_text(
+        json.dumps({"name": "toy", "models": {}, "colour": 1, "format": FORMAT_VERSION})),
      "is not the config.json of a toy run"),
     (lambda d: (d / "arms" / "single-s0.jsonl").write_text('{"kind": "ev\n{"kind": "train", "step": 0}\n'),
      "single-s0.jsonl is damaged: line 1"),
@@ -402,7 +405,8 @@ def test_resume_refuses_flags_that_would_change_the_run(saved_toy_run, capsys, a
 def test_resume_of_a_real_run_refuses_a_different_method_and_accepts_the_same_one(tmp_path, capsys):
     run_dir = tmp_path / "p4g-single"
     run_dir.mkdir()
-    (run_dir / "config.json").write_text(json.dumps({"env": "p4g", "method": "single", "lr": 1e-5, "steps": 2}))
+    (run_dir / "config.json").write_text(json.dumps({"format": FORMAT_VERSION,
+                                                     "env": "p4g", "method": "single", "lr": 1e-5, "steps": 2}))
     fails_with(capsys, ["--resume", str(run_dir), "--method", "vs"], "--method would change them")
     fails_with(capsys, ["--resume", str(run_dir), "--lr", "0.001"], "--lr would change them")
     args = train_cli.parse_args(["--resume", str(run_dir), "--method", "single", "--steps", "4"])

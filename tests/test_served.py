@@ -27,6 +27,7 @@ from minscope.models import (
 )
 from minscope.real_models import _attach_adapter, adapter_folder
 from minscope.rollout import LMSpeaker
+from minscope.runfolder import FORMAT_VERSION
 from minscope.serve import Generator, Job, make_server
 from minscope.served import (
     ServedError,
@@ -60,7 +61,8 @@ def run_folder(tmp_path_factory):
     tok.save_pretrained(root / "model")
     run = root / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"env": "p4g", "policy": str(root / "model"), "simulator": None,
+    (run / "config.json").write_text(json.dumps({"format": FORMAT_VERSION,
+                                                 "env": "p4g", "policy": str(root / "model"), "simulator": None,
                                                  "method": "population", "load_in_4bit": False}))
     torch.manual_seed(3)
     peft = add_adapters(model, ["simulator"], init_lora_weights=False)
