@@ -25,7 +25,7 @@ from .files import RunFileError, load_state, read_json, read_jsonl, truncate_log
 # definition, a prompt, a record's fields. config.json records it (`format_fields`), and
 # `--resume` and eval.py refuse a run of another format (`check_format`), so that one curve
 # never mixes two reward definitions or two prompts.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 FORMATS = {
     1: "before run folders recorded their format",
     # (what the runs of format 2 hold: P4G's persuadee samples its decision in its own stream, the
@@ -33,6 +33,10 @@ FORMATS = {
     # prompt gives concrete tag examples; the toy computes in float64, rounds its parameters to float32
     # after every update and logs 6 significant digits; records as `record_problem` checks them)
     2: "P4G's decision readout, expected reward, std floor and persuadee prompt; the toy's float64 numbers",
+    # (format 3: P4G's read reward pays E[gift x 1{readable}], an unreadable answer $0, where format 2
+    # paid E[gift | readable]; the parsed reward no longer reads quoted, negated, reported or copied
+    # tags, -$N or non-ASCII digits; the toy's records are as in format 2)
+    3: "P4G's read reward counts an unreadable answer $0; the parsed reward ignores quoted, negated and copied tags",
 }
 
 

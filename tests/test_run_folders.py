@@ -104,8 +104,9 @@ def test_a_run_of_another_format_is_refused_in_one_line_that_says_what_changed(f
         call()
     message = str(e.value.code)
     found = format_ or 1
+    since = "; ".join(f"format {v}: {FORMATS[v]}" for v in range(found + 1, FORMAT_VERSION + 1))
     assert f"was written in run-folder format {found} ({FORMATS[found]}), this code writes format " \
-           f"{FORMAT_VERSION} (changed since: format {FORMAT_VERSION}: {FORMATS[FORMAT_VERSION]})" in message
+           f"{FORMAT_VERSION} (changed since: {since})" in message
     assert "Start a new run (another --name)" in message and "\n" not in message
     assert ("add \"format\": " in message) == (format_ is None)
     assert snapshot(old) == before
