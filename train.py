@@ -86,10 +86,10 @@ REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "pan
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
              "no_grad_checkpointing", "no_prefix_sharing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
              "unsafe_no_sandbox", "max_turns", "p4g_reward", "pool_draw", "seed", "temperature", "kl", "lora_r", "lora_alpha",
-             "pool_size", "pool_every", "vs_k", "sim_reward", "device")
+             "pool_size", "pool_every", "vs_k", "sim_reward", "device", "dtype", "logprob_backend")
 # The settings real runs once fixed in the code; these defaults are those values.
 REAL_DEFAULTS.update(seed=0, temperature=0.7, kl=0.005, lora_r=8, lora_alpha=16, pool_size=5, pool_every=4,
-                     vs_k=5, device="auto")
+                     vs_k=5, device="auto", dtype="auto", logprob_backend="auto")
 POOL_METHODS = ("population", "population-selfplay")        # --pool-size, --pool-every
 TOY_ONLY = ("quick", "methods", "ablations", "seeds", "workers", "cache_dir", "world")
 
@@ -245,6 +245,11 @@ def build_parser():
                        "environment's: adversarial for p4g, curriculum for tau2, shared for cooperbench)")
     g_real.add_argument("--device", choices=("auto", "cuda", "mps", "cpu"), help="where the models run "
                         "(default auto: cuda if torch sees a GPU, else mps on Apple silicon, else cpu; MPS is untested)")
+    g_real.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="the models' precision "
+                        "(default auto: bfloat16 on a CUDA card of compute capability 8.0+, float32 below and on CPU; "
+                        "float16 is refused: there is no loss scaling)")
+    g_real.add_argument("--logprob-backend", choices=("auto", "torch", "triton"), help="the LM-head log-prob kernels "
+                        "of the update (default auto: Triton on CUDA when one tiny launch works, else torch with a note)")
     g_real.add_argument("--rollout-batch", type=whole(1), metavar="N", help="at most N episodes generated "
                         "at once (default: what fits in half the free GPU memory; 32 on CPU)")
     g_grpo.add_argument("--eval-temperature", type=float, metavar="T", help="real env: sampling temperature of "
@@ -383,7 +388,7 @@ def check_resume(p, args):
     if saved is None:
         return                     # run_toy / run_real say that no config.json is there
     toy = "models" in saved
-    keep = {"resume", "env", "runs_dir"} | ({"workers", "cache_dir"} if toy else {"steps", "device"})
+    keep = {"resume", "env", "runs_dir"} | ({"workers", "cache_dir"} if toy else {"steps", "device", "logprob_backend"})
     if toy and args.steps is not None and args.steps != saved.get("steps"):
         return                     # run_toy explains that a toy run keeps its steps
     from minscope.real_args import resolve_path

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .hardware import pick_dtype
 from .methods import build_method
 from .models import (
     add_adapters,
@@ -97,7 +98,8 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
     partner: the environment's scripted partner (`Environment.scripted_partner`): it is the
     training partner and the whole panel, and no simulator model is loaded.
     """
-    bits = dict(load_in_4bit=args.load_in_4bit, device=pick_device(setting(args, "device")))
+    device = pick_device(setting(args, "device"))
+    bits = dict(load_in_4bit=args.load_in_4bit, device=device, dtype=pick_dtype(setting(args, "dtype"), device))
     temperature = setting(args, "temperature")
     lora = dict(r=setting(args, "lora_r"), alpha=setting(args, "lora_alpha"))   # every trained adapter's
     if partner is not None:
@@ -183,7 +185,8 @@ def build_real_method(args, env, personas):
     # prefix_sharing: each group's shared prompt is encoded once in the update (minscope/prefix.py)
     sharing = not getattr(args, "no_prefix_sharing", False)
     ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=setting(args, "temperature"),
-                beta=setting(args, "kl"), skip_zero_signal=True, prefix_sharing=sharing)
+                beta=setting(args, "kl"), skip_zero_signal=True, prefix_sharing=sharing,
+                logprob_backend=setting(args, "logprob_backend"))
     method = build_method(args.method, models.policy, frozen, UpdateConfig(lr=args.lr, **ucfg),
                           UpdateConfig(lr=args.sim_lr, **ucfg),
                           sim_model=models.sim_model if args.method in TRAINS_SIMULATOR else None,

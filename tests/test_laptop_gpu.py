@@ -1,0 +1,116 @@
+"""The laptop-GPU path, rehearsed on the CPU: the start-up line, a CPU-only torch build, a
+failed first attempt, Triton's fallback, dtype choice by card, and a GPU-saved state resumed
+on the CPU. The CUDA branches are reached with a monkeypatched `torch.cuda`."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_real_runs import template_models  # noqa: F401 - the fixture
+from test_real_runs import TINY
+
+import train as train_cli
+from minscope import hardware, logprobs
+
+
+def numbers_run(tmp_path, model, *extra):
+    return ["--env", "numbers", "--policy", model, "--runs-dir", str(tmp_path), "--name", "run", *TINY, *extra]
+
+
+def fake_cuda(monkeypatch, major=8, name="NVIDIA GeForce RTX 4060 Laptop GPU", gb=8):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 9))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(name=name, total_memory=gb * 2**30))
+
+
+def test_the_device_line_names_the_card_and_auto_dtype_follows_its_compute_capability(monkeypatch):
+    assert hardware.pick_dtype("auto", "cpu") == torch.float32
+    fake_cuda(monkeypatch, major=8)
+    assert hardware.describe_device("cuda:0") == "cuda (NVIDIA GeForce RTX 4060 Laptop GPU, 8 GB)"
+    assert hardware.pick_dtype("auto", "cuda") == torch.bfloat16
+    fake_cuda(monkeypatch, major=7, name="Tesla T4", gb=15)      # Turing: bf16 is emulated there
+    assert hardware.pick_dtype(None, "cuda") == torch.float32
+    assert hardware.pick_dtype("bfloat16", "cuda") == torch.bfloat16
+    with pytest.raises(SystemExit, match="without loss scaling"):
+        hardware.pick_dtype("float16", "cuda")
+
+
+def test_a_cpu_only_torch_build_is_named_with_the_way_to_the_cuda_build(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    note = hardware.cpu_build_note("auto")
+    assert "CPU-only build" in note and "download.pytorch.org/whl/cu" in note
+    assert hardware.cpu_build_note("cpu") is None                 # asked for the CPU: nothing to say
+    monkeypatch.setattr(torch.version, "cuda", "12.8")            # a CUDA build without a visible GPU
+    assert hardware.cpu_build_note("auto") is None
+
+
+def test_a_run_starts_with_its_device_precision_and_backend(tmp_path, template_models, capsys):  # noqa: F811
+    train_cli.main(numbers_run(tmp_path, template_models["qwen3"], "--steps", "1", "--eval-every", "1"))
+    out = capsys.readouterr().out
+    assert "device cpu · policy fp32 + LoRA · simulator scripted · log-probs torch" in out
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["dtype"] == "auto" and saved["logprob_backend"] == "auto"
+
+
+def test_a_failed_first_attempt_does_not_block_the_same_command(tmp_path, template_models, monkeypatch):  # noqa: F811
+    import minscope.methods
+    import minscope.runner
+
+    cmd = numbers_run(tmp_path, template_models["qwen3"], "--steps", "1", "--eval-every", "1")
+    real_build = minscope.runner.build_real_method
+
+    def out_of_memory(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated, at model load)")
+    monkeypatch.setattr(minscope.runner, "build_real_method", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        train_cli.main(cmd)
+    assert not (tmp_path / "run" / "config.json").exists()       # nothing written before the models load
+    monkeypatch.setattr(minscope.runner, "build_real_method", real_build)
+    real_step = minscope.runner.train_step
+
+    def oom_at_step_0(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated, at step 0)")
+    monkeypatch.setattr(minscope.runner, "train_step", oom_at_step_0)
+    with pytest.raises(torch.OutOfMemoryError):
+        train_cli.main(cmd)
+    assert (tmp_path / "run" / "config.json").exists() and not (tmp_path / "run" / "state.pt").exists()
+    with pytest.raises(SystemExit, match="already exists"):        # other settings: still refused
+        train_cli.main([*cmd, "--lr", "1e-3"])
+    monkeypatch.setattr(minscope.runner, "train_step", real_step)
+    train_cli.main(cmd)                                           # the same command starts again
+    assert (tmp_path / "run" / "state.pt").exists()
+
+
+def test_triton_launch_failure_falls_back_to_torch(monkeypatch):
+    """auto: one tiny Triton launch per process and device; when it raises (no compiler, no
+    Python.h, no libcuda), torch is used, with one note."""
+    notes = []
+    monkeypatch.setattr(logprobs, "_LAUNCHES", {})
+    monkeypatch.setattr(logprobs, "triton_available", lambda: True)
+
+    def launch(device):
+        raise RuntimeError("Failed to find Python.h\nmore detail")
+    monkeypatch.setattr(logprobs, "_tiny_launch", launch)
+    monkeypatch.setattr(logprobs.sys, "stderr", SimpleNamespace(write=notes.append, flush=lambda: None))
+    on_cuda = logprobs._OnDevice("cuda:0")
+    assert logprobs.resolve_backend("auto", on_cuda) == "torch"
+    assert logprobs.resolve_backend("auto", on_cuda) == "torch"    # tried once
+    text = "".join(notes)
+    assert text.count("note: Triton cannot launch") == 1 and "Python.h" in text and "more detail" not in text
+    monkeypatch.setattr(logprobs, "_LAUNCHES", {})
+    monkeypatch.setattr(logprobs, "_tiny_launch", lambda device: None)
+    assert logprobs.resolve_backend("auto", on_cuda) == "triton"
+    assert logprobs.backend_for("auto", "cpu") == "torch"
+
+
+def test_triton_flag_is_refused_on_the_cpu_and_float16_before_any_model(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    base = ["--env", "numbers", "--policy", "no-such-model", "--runs-dir", str(tmp_path), "--device", "cpu"]
+    with pytest.raises(SystemExit, match="--logprob-backend triton: Triton's kernels run on CUDA"):
+        train_cli.main([*base, "--logprob-backend", "triton"])
+    with pytest.raises(SystemExit, match="--dtype float16: not supported"):
+        train_cli.main([*base, "--dtype", "float16"])
+    assert not any(tmp_path.iterdir())
