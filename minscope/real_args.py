@@ -285,6 +285,11 @@ def check_memory_args(args):
                          "use --logprob-backend torch (or auto)")
     if getattr(args, "rollout_batch", None) is not None and args.rollout_batch < 1:
         raise SystemExit(f"--rollout-batch {args.rollout_batch}: give at least 1 episode")
+    group = getattr(args, "group_size", None)
+    if getattr(args, "rollout_batch", None) is not None and group and args.rollout_batch < group:
+        raise SystemExit(f"--rollout-batch {args.rollout_batch}: below --group-size {group}; the rollout plays whole "
+                         f"groups (their shared prompt is encoded once), so give at least {group}, or lower "
+                         "--group-size to save memory")
     temperature = getattr(args, "eval_temperature", None)
     if temperature is not None and not 0 <= temperature < float("inf"):
         raise SystemExit(f"--eval-temperature {temperature}: give 0 (greedy) or a positive number")

@@ -114,3 +114,33 @@ def test_triton_flag_is_refused_on_the_cpu_and_float16_before_any_model(tmp_path
     with pytest.raises(SystemExit, match="--dtype float16: not supported"):
         train_cli.main([*base, "--dtype", "float16"])
     assert not any(tmp_path.iterdir())
+
+
+def test_a_state_saved_on_a_gpu_resumes_where_torch_sees_none(tmp_path, monkeypatch):
+    """state.pt written on cuda:0 (its storages tagged so) loads on a machine without CUDA."""
+    import torch.serialization
+
+    from minscope.files import load_state
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save({"step": 4, "policy": dict(model.state_dict()), "policy_opt": opt.state_dict()}, tmp_path / "state.pt")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="CUDA"):          # what a plain torch.load does with it
+        torch.load(tmp_path / "state.pt", weights_only=False)
+    st = load_state(tmp_path / "state.pt", needs=("step", "policy", "policy_opt"))
+    assert st["step"] == 4 and st["policy"]["weight"].device.type == "cpu"
+    fresh = torch.optim.AdamW(model.parameters())
+    fresh.load_state_dict(st["policy_opt"])
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_rollout_batch_below_the_group_size_is_refused_in_one_line(tmp_path):
+    base = ["--env", "numbers", "--policy", "no-such-model", "--runs-dir", str(tmp_path), "--group-size", "8"]
+    with pytest.raises(SystemExit, match="--rollout-batch 4: below --group-size 8; the rollout plays whole groups"):
+        train_cli.main([*base, "--rollout-batch", "4"])
+    assert not any(tmp_path.iterdir())
