@@ -144,3 +144,10 @@ def test_a_rollout_batch_below_the_group_size_is_refused_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match="--rollout-batch 4: below --group-size 8; the rollout plays whole groups"):
         train_cli.main([*base, "--rollout-batch", "4"])
     assert not any(tmp_path.iterdir())
+
+
+def test_a_rollout_batch_below_the_group_size_is_refused_in_one_line(tmp_path):
+    base = ["--env", "numbers", "--policy", "no-such-model", "--runs-dir", str(tmp_path), "--device", "cpu"]
+    with pytest.raises(SystemExit, match="--rollout-batch 2: below --group-size 4"):
+        train_cli.main([*base, "--group-size", "4", "--rollout-batch", "2"])
+    assert not any(tmp_path.iterdir())
