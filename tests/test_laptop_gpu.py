@@ -151,3 +151,32 @@ def test_a_rollout_batch_below_the_group_size_is_refused_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match="--rollout-batch 2: below --group-size 4"):
         train_cli.main([*base, "--group-size", "4", "--rollout-batch", "2"])
     assert not any(tmp_path.iterdir())
+
+
+def test_the_ratio_at_an_unchanged_policy_is_1_in_bfloat16():
+    """bf16: the rollout's log-probs come from its cached decode in bf16, the update's from its
+    own forward pass; the update recomputes the old ones, so the first pass's ratio is 1
+    (`ratio_dev_max`). Without the recomputation the same episodes' ratios stray."""
+    from test_chat_templates import Talk, make_tokenizer
+
+    from minscope.models import add_adapters, build_tiny_model
+    from minscope.rollout import LMSpeaker, rollout
+    from minscope.simulators import Frozen
+    from minscope.trainer import UpdateConfig, grpo_update, make_optimizer
+
+    tok = make_tokenizer("chatml")
+    model = add_adapters(build_tiny_model(tok, "qwen3", hidden_size=32).to(torch.bfloat16), ["policy"],
+                         init_lora_weights=False)
+    agent = LMSpeaker(model, tok, "agent", adapter="policy", temperature=1.0, max_new_tokens=12)
+    partner = Frozen(model, tok, temperature=1.0, max_new_tokens=6)
+    torch.manual_seed(0)
+    episodes = rollout(Talk(), ["a", "b"], agent, partner, group_size=4)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)
+
+    def dev(recompute):
+        cfg = UpdateConfig(lr=0.0, weight_decay=0.0, recompute_old=recompute)
+        return grpo_update(model, "policy", make_optimizer(model, "policy", cfg), episodes, "agent", adv, cfg,
+                           tok.pad_token_id)["ratio_dev_max"]
+    recomputed, rollouts = dev(None), dev(False)
+    assert recomputed <= 1e-3                    # auto: recomputed for a bf16 model
+    assert rollouts > 1e-3                     # the rollout's own bf16 log-probs
