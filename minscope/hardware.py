@@ -87,8 +87,9 @@ def startup_line(models, backend: str) -> str:
     if sim is None:
         parts.append("simulator scripted")
     elif sim is policy:
-        parts.append(f"simulators on the policy's base ({adapters_of(sim)} adapters)")
+        parts.append("simulators on the policy's base")
     else:
-        parts.append(f"simulators {precision(sim)} ×{max(1, adapters_of(sim))} adapters")
+        n = adapters_of(sim)
+        parts.append(f"simulators {precision(sim)}" + (f" ×{n} adapter{'s' * (n != 1)}" if n else ""))
     parts.append(f"log-probs {backend}")
     return " · ".join(parts)

@@ -146,7 +146,7 @@ def test_a_rollout_batch_below_the_group_size_is_refused_in_one_line(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_a_rollout_batch_below_the_group_size_is_refused_in_one_line(tmp_path):
+def test_a_rollout_batch_below_the_group_size_is_refused_on_the_cpu_too(tmp_path):
     base = ["--env", "numbers", "--policy", "no-such-model", "--runs-dir", str(tmp_path), "--device", "cpu"]
     with pytest.raises(SystemExit, match="--rollout-batch 2: below --group-size 4"):
         train_cli.main([*base, "--group-size", "4", "--rollout-batch", "2"])
