@@ -180,3 +180,31 @@ def test_the_ratio_at_an_unchanged_policy_is_1_in_bfloat16():
     recomputed, rollouts = dev(None), dev(False)
     assert recomputed <= 1e-3                    # auto: recomputed for a bf16 model
     assert rollouts > 1e-3                     # the rollout's own bf16 log-probs
+
+
+def test_the_laptop_bench_reports_step_times_and_names_the_flag_to_lower_on_oom(tmp_path, monkeypatch, capsys):
+    """bench/laptop.py (bash bench/gpu.sh runs it first): one line per README command; a
+    command that runs out of GPU memory says which flags lower it, and the next one runs."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("laptop", Path(__file__).parent.parent / "bench" / "laptop.py")
+    laptop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(laptop)
+    calls = []
+
+    def fake_main(argv):
+        calls.append(argv)
+        if "--simulator-4bit" in argv:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        run = Path(argv[argv.index("--runs-dir") + 1]) / argv[argv.index("--name") + 1]
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "seconds": s}) + "\n"
+                                                   for s in (2.0, 3.0, 10.0)))
+    monkeypatch.setattr(train_cli, "main", fake_main)
+    assert laptop.main(["--runs-dir", str(tmp_path), "--policy", "tiny", "--json", str(tmp_path / "r.json")]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("numbers: step 3.0 s median, 10.0 s max (3 steps)")
+    assert out[1].startswith("p4g-4bit: ") and "FAILED: out of GPU memory" in out[1] and "--rollout-batch" in out[1]
+    assert [a[a.index("--policy") + 1] for a in calls] == ["tiny", "tiny"]
+    assert len(json.loads((tmp_path / "r.json").read_text())) == 2
