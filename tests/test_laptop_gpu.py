@@ -208,3 +208,30 @@ def test_the_laptop_bench_reports_step_times_and_names_the_flag_to_lower_on_oom(
     assert out[1].startswith("p4g-4bit: ") and "FAILED: out of GPU memory" in out[1] and "--rollout-batch" in out[1]
     assert [a[a.index("--policy") + 1] for a in calls] == ["tiny", "tiny"]
     assert len(json.loads((tmp_path / "r.json").read_text())) == 2
+
+
+def test_recomputed_old_logprobs_use_the_adapter_that_sampled_each_row():
+    """A population's simulator trains on turns its pool snapshots played: in bf16 their old
+    log-probs are recomputed under the snapshot, so the off-policy ratio stays (not 1)."""
+    from test_chat_templates import Talk, make_tokenizer
+
+    from minscope.models import add_adapters, build_tiny_model
+    from minscope.rollout import LMSpeaker, rollout
+    from minscope.simulators import Frozen
+    from minscope.trainer import UpdateConfig, grpo_update, make_optimizer
+
+    tok = make_tokenizer("chatml")
+    model = add_adapters(build_tiny_model(tok, "qwen3", hidden_size=32).to(torch.bfloat16),
+                         ["simulator", "pool0"], init_lora_weights=False)
+    agent = LMSpeaker(model, tok, "agent", adapter="simulator", temperature=1.0, max_new_tokens=6)
+    snapshot = Frozen(model, tok, adapter="pool0", temperature=1.0, max_new_tokens=12, name="pool0")
+    torch.manual_seed(0)
+    episodes = rollout(Talk(), ["a", "b"], agent, snapshot, group_size=4)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)
+    cfg = UpdateConfig(lr=0.0, weight_decay=0.0)
+
+    def dev(**kw):
+        return grpo_update(model, "simulator", make_optimizer(model, "simulator", cfg), episodes, "partner", adv,
+                           cfg, tok.pad_token_id, **kw)["ratio_dev_max"]
+    assert dev(sampled_by=lambda ep: "pool0") > 0.05        # the snapshot's log-probs: off-policy
+    assert dev() == 0.0                                      # (as if the live adapter had sampled)
