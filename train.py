@@ -86,10 +86,11 @@ REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "pan
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
              "no_grad_checkpointing", "no_prefix_sharing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
              "unsafe_no_sandbox", "max_turns", "p4g_reward", "pool_draw", "seed", "temperature", "kl", "lora_r", "lora_alpha",
-             "pool_size", "pool_every", "vs_k", "sim_reward", "device", "dtype", "logprob_backend")
+             "pool_size", "pool_every", "vs_k", "sim_reward", "device", "dtype", "logprob_backend",
+             "simulator_4bit")
 # The settings real runs once fixed in the code; these defaults are those values.
 REAL_DEFAULTS.update(seed=0, temperature=0.7, kl=0.005, lora_r=8, lora_alpha=16, pool_size=5, pool_every=4,
-                     vs_k=5, device="auto", dtype="auto", logprob_backend="auto")
+                     vs_k=5, device="auto", dtype="auto", logprob_backend="auto", simulator_4bit=False)
 POOL_METHODS = ("population", "population-selfplay")        # --pool-size, --pool-every
 TOY_ONLY = ("quick", "methods", "ablations", "seeds", "workers", "cache_dir", "world")
 
@@ -209,8 +210,12 @@ def build_parser():
                        "models, adapter dirs or openai:MODEL@URL endpoints; prefix with 'unseen:' to mark unseen ones (default: "
                        "none, so only the training simulator is evaluated; the collapse monitor's divergence alarm "
                        "reads the unseen members and is off without one)")
-    g_real.add_argument("--load-in-4bit", action="store_true", help="4-bit NF4 base weights (bitsandbytes; on CUDA, "
-                        "and on the CPU through bitsandbytes' CPU backend, slower than the default float32)")
+    g_real.add_argument("--load-in-4bit", action="store_true", help="4-bit NF4 base weights for every model "
+                        "(bitsandbytes; on CUDA, and on the CPU through bitsandbytes' CPU backend, slower than the "
+                        "default float32); a GGUF model (smollm2) is de-quantized, then quantized to NF4")
+    g_real.add_argument("--simulator-4bit", action="store_true", default=None, help="4-bit NF4 bases for the "
+                        "simulators only (training simulator, population, panel), the policy as --dtype says; "
+                        "the population shares one NF4 base, only its LoRA adapters differ")
     g_grpo.add_argument("--groups", type=whole(1), help=f"tasks per step (real env default {real['groups']}; toy {toy.groups}, --quick {quick.groups})")
     g_grpo.add_argument("--group-size", type=whole(2), help=f"trajectories per task, G (real env default "
                         f"{real['group_size']}; toy {toy.group_size}); GRPO compares them, so at least 2")
@@ -368,13 +373,6 @@ def check_real_args(p, args):
                     "the defaults are 5e-4)")
     if args.domain is not None and args.env != "tau2":
         p.error(f"--domain is for --env tau2, not --env {args.env}")
-    if args.load_in_4bit:
-        from minscope.models import BUILTIN_MODELS
-
-        gguf = [m for m in (args.policy, args.simulator) if m and (m in BUILTIN_MODELS or m.lower().endswith(".gguf"))]
-        if gguf:
-            p.error(f"--load-in-4bit does not apply to {gguf[0]}: a GGUF model is quantized already (it is loaded "
-                    "dequantized, in float32); drop --load-in-4bit, or give a Hugging Face model")
     if args.seed is not None and args.seed > MAX_SEED:
         p.error(f"--seed {args.seed}: give a whole number from 0 to {MAX_SEED}")
 

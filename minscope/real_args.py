@@ -25,7 +25,7 @@ SAMPLING_TEMPERATURE = 0.7                     # policy and simulators during tr
 # evaluation of such a run reads them from here (`setting`).
 FIXED_BEFORE = dict(seed=0, temperature=SAMPLING_TEMPERATURE, kl=0.005, lora_r=8, lora_alpha=16, pool_size=5,
                     pool_every=4, vs_k=5, sim_reward=None, device="auto", monitor=None,
-                    dtype="auto", logprob_backend="auto")
+                    dtype="auto", logprob_backend="auto", simulator_4bit=False)
 
 
 def setting(args, key: str):

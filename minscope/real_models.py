@@ -100,6 +100,9 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
     """
     device = pick_device(setting(args, "device"))
     bits = dict(load_in_4bit=args.load_in_4bit, device=device, dtype=pick_dtype(setting(args, "dtype"), device))
+    # --simulator-4bit: the simulators' bases (training simulator, population, panel) in NF4 and the
+    # policy's as --dtype says; a simulator on the policy's model then gets a base of its own
+    sim_bits = {**bits, "load_in_4bit": args.load_in_4bit or bool(setting(args, "simulator_4bit"))}
     temperature = setting(args, "temperature")
     lora = dict(r=setting(args, "lora_r"), alpha=setting(args, "lora_alpha"))   # every trained adapter's
     if partner is not None:
@@ -116,8 +119,8 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
     policy_path = resolve_path(args.policy)
     sim_path = None if served_sim else resolve_path(args.simulator)
     policy_model, tok = load_model(policy_path, **bits)
-    shared = not sim_path or sim_path == policy_path
-    sim_model, sim_tok = (policy_model, tok) if shared else load_model(sim_path, **bits)
+    shared = not sim_path or (sim_path == policy_path and sim_bits == bits)
+    sim_model, sim_tok = (policy_model, tok) if shared else load_model(sim_path, **sim_bits)
     sim_path = sim_path or policy_path
     check_model_settings(policy_model, args)
 
@@ -162,10 +165,10 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
             member = frozen_speaker(name, sim_model, sim_tok, slots[i])
         elif path == sim_path:                 # the same base again: reuse it, adapters off
             member = frozen_speaker(name, sim_model, sim_tok)
-        elif path == policy_path:
+        elif path == policy_path and shared:
             member = frozen_speaker(name, policy_model, tok)
         else:
-            member = frozen_speaker(name, *load_model(path, **bits))
+            member = frozen_speaker(name, *load_model(path, **sim_bits))
         panel[name] = (member, kind)
     policy = LMSpeaker(policy_model, tok, "agent", adapter="policy", temperature=temperature,
                        max_new_tokens=args.max_new_tokens, name="policy")
