@@ -208,6 +208,8 @@ def test_the_laptop_bench_reports_step_times_and_names_the_flag_to_lower_on_oom(
     assert out[1].startswith("p4g-4bit: ") and "FAILED: out of GPU memory" in out[1] and "--rollout-batch" in out[1]
     assert [a[a.index("--policy") + 1] for a in calls] == ["tiny", "tiny"]
     assert len(json.loads((tmp_path / "r.json").read_text())) == 2
+    for command in laptop.COMMANDS.values():                 # every command is one train.py accepts
+        train_cli.parse_args(command.format(policy="smollm2").split())
 
 
 def test_recomputed_old_logprobs_use_the_adapter_that_sampled_each_row():
