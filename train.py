@@ -86,10 +86,11 @@ REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "pan
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
              "no_grad_checkpointing", "no_prefix_sharing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
              "unsafe_no_sandbox", "max_turns", "p4g_reward", "pool_draw", "seed", "temperature", "kl", "lora_r", "lora_alpha",
-             "pool_size", "pool_every", "vs_k", "sim_reward", "sim_anchor", "device")
+             "pool_size", "pool_every", "vs_k", "sim_reward", "sim_anchor", "device", "dtype", "logprob_backend",
+             "simulator_4bit")
 # The settings real runs once fixed in the code; these defaults are those values.
 REAL_DEFAULTS.update(seed=0, temperature=0.7, kl=0.005, lora_r=8, lora_alpha=16, pool_size=5, pool_every=4,
-                     vs_k=5, device="auto")
+                     vs_k=5, device="auto", dtype="auto", logprob_backend="auto", simulator_4bit=False)
 POOL_METHODS = ("population", "population-selfplay")        # --pool-size, --pool-every
 TOY_ONLY = ("quick", "methods", "ablations", "seeds", "workers", "cache_dir", "world")
 
@@ -209,8 +210,12 @@ def build_parser():
                        "models, adapter dirs or openai:MODEL@URL endpoints; prefix with 'unseen:' to mark unseen ones (default: "
                        "none, so only the training simulator is evaluated; the collapse monitor's divergence alarm "
                        "reads the unseen members and is off without one)")
-    g_real.add_argument("--load-in-4bit", action="store_true", help="4-bit NF4 base weights (bitsandbytes; on CUDA, "
-                        "and on the CPU through bitsandbytes' CPU backend, slower than the default float32)")
+    g_real.add_argument("--load-in-4bit", action="store_true", help="4-bit NF4 base weights for every model "
+                        "(bitsandbytes; on CUDA, and on the CPU through bitsandbytes' CPU backend, slower than the "
+                        "default float32); a GGUF model (smollm2) is de-quantized, then quantized to NF4")
+    g_real.add_argument("--simulator-4bit", action="store_true", default=None, help="4-bit NF4 bases for the "
+                        "simulators only (training simulator, population, panel), the policy as --dtype says; "
+                        "the population shares one NF4 base, only its LoRA adapters differ")
     g_grpo.add_argument("--groups", type=whole(1), help=f"tasks per step (real env default {real['groups']}; toy {toy.groups}, --quick {quick.groups})")
     g_grpo.add_argument("--group-size", type=whole(2), help=f"trajectories per task, G (real env default "
                         f"{real['group_size']}; toy {toy.group_size}); GRPO compares them, so at least 2")
@@ -247,9 +252,14 @@ def build_parser():
                        "--env p4g: the realism anchor's weight: after each of its updates the trained persuadee takes an "
                        "SFT step, weighted by W, on 4 real persuadees of the corpus's training split (their first "
                        "--max-turns messages and the donation they made; envs/p4g.py anchor_conversations). "
-                       "Default 0: no anchor")
+                       "(default 0: no anchor)")
     g_real.add_argument("--device", choices=("auto", "cuda", "mps", "cpu"), help="where the models run "
                         "(default auto: cuda if torch sees a GPU, else mps on Apple silicon, else cpu; MPS is untested)")
+    g_real.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), help="the models' precision "
+                        "(default auto: bfloat16 on a CUDA card of compute capability 8.0+, float32 below and on CPU; "
+                        "float16 is refused: there is no loss scaling)")
+    g_real.add_argument("--logprob-backend", choices=("auto", "torch", "triton"), help="the LM-head log-prob kernels "
+                        "of the update (default auto: Triton on CUDA when one tiny launch works, else torch with a note)")
     g_real.add_argument("--rollout-batch", type=whole(1), metavar="N", help="at most N episodes generated "
                         "at once (default: what fits in half the free GPU memory; 32 on CPU)")
     g_grpo.add_argument("--eval-temperature", type=float, metavar="T", help="real env: sampling temperature of "
@@ -368,13 +378,6 @@ def check_real_args(p, args):
                     "the defaults are 5e-4)")
     if args.domain is not None and args.env != "tau2":
         p.error(f"--domain is for --env tau2, not --env {args.env}")
-    if args.load_in_4bit:
-        from minscope.models import BUILTIN_MODELS
-
-        gguf = [m for m in (args.policy, args.simulator) if m and (m in BUILTIN_MODELS or m.lower().endswith(".gguf"))]
-        if gguf:
-            p.error(f"--load-in-4bit does not apply to {gguf[0]}: a GGUF model is quantized already (it is loaded "
-                    "dequantized, in float32); drop --load-in-4bit, or give a Hugging Face model")
     if args.seed is not None and args.seed > MAX_SEED:
         p.error(f"--seed {args.seed}: give a whole number from 0 to {MAX_SEED}")
 
@@ -388,7 +391,7 @@ def check_resume(p, args):
     if saved is None:
         return                     # run_toy / run_real say that no config.json is there
     toy = "models" in saved
-    keep = {"resume", "env", "runs_dir"} | ({"workers", "cache_dir"} if toy else {"steps", "device"})
+    keep = {"resume", "env", "runs_dir"} | ({"workers", "cache_dir"} if toy else {"steps", "device", "logprob_backend"})
     if toy and args.steps is not None and args.steps != saved.get("steps"):
         return                     # run_toy explains that a toy run keeps its steps
     from minscope.real_args import resolve_path

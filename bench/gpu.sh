@@ -2,6 +2,10 @@
 # Every GPU check of minscope in one go, on a CUDA machine with requirements.txt installed
 # (and a CUDA build of torch), inside a time budget:
 #
+#   0. bench/laptop.py: the README's laptop commands (numbers on Qwen3-0.6B, then P4G Population
+#      Co-Training with a 4-bit simulator population), each with its peak GPU memory and step
+#      time; a command that runs out of memory prints the flag to lower (LAPTOP_POLICY: the model,
+#      default Qwen/Qwen3-0.6B, a local folder on an offline machine);
 #   1. the Triton kernels' tests: the numeric checks on the compiled kernels on the GPU,
 #      the ahead-of-time compile checks, and the log-prob tests;
 #   2. bench/logprobs.py at the reference shapes (N=16,384 x H=2,048 and 4,096 x 1,024,
@@ -19,10 +23,12 @@
 #      memory step, already measured, takes what is left).
 #
 # Usage:  bash bench/gpu.sh [OUT_DIR]        (default: runs/gpu-YYYYMMDD)
-#   GPU_STEPS     which steps, comma-separated (default tests,step,logprobs,memory,tiles);
+#   The big-card checks are sized to the card: below 20 GB of GPU memory bench/step.py and
+#   bench/memory.py run at the Qwen3-0.6B shape only (1.7B at batch 32 needs more).
+#   GPU_STEPS     which steps, comma-separated (default laptop,tests,step,logprobs,memory,tiles);
 #                 e.g. GPU_STEPS=tests,logprobs for the log-prob kernels alone.
 #   LOGPROBS_CAP_S  the log-prob step's cap (default 180 s; give it ~400 when it runs alone).
-#   GPU_BUDGET_S  seconds for all five steps (default 540, so that one run fits a
+#   GPU_BUDGET_S  seconds for all six steps (default 540, so that one run fits a
 #                 10-minute command with room to start); each step gets at most its own
 #                 cap and what is left; the benchmarks save their JSON after every
 #                 measurement, so a step cut short keeps what it measured.
@@ -31,7 +37,7 @@
 #                 liger-kernel and TRL's small dependencies (datasets, dill, multiprocess,
 #                 xxhash; a wheel for another Python version is skipped), bitsandbytes on a
 #                 machine without it (without it every 4-bit configuration is skipped).
-# Writes 10 files: gpu.txt (the GPU, driver, versions), tests.txt, tiles.{md,json},
+# Writes 12 files: gpu.txt (the GPU, driver, versions), laptop.{md,json}, tests.txt, tiles.{md,json},
 # logprobs.{md,json}, memory.{md,json}, step.{md,json}. Each step runs even if an earlier one failed; the
 # exit status is that of the first failure.
 set -uo pipefail
@@ -52,7 +58,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     done
     export PYTHONPATH=/tmp/minscope-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-steps=",${GPU_STEPS:-tests,step,logprobs,memory,tiles},"
+steps=",${GPU_STEPS:-laptop,tests,step,logprobs,memory,tiles},"
+# the card's memory in MiB (0 if nvidia-smi cannot say): below 20 GB the big shapes are left out
+mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n1 | tr -dc '0-9')
+mib=${mib:-0}
+if [ "$mib" -ge 20000 ]; then step_shapes=1.7b; memory_shapes=1.7b,0.6b; else step_shapes=0.6b; memory_shapes=0.6b; fi
+echo "GPU memory: ${mib} MiB; bench/step.py at $step_shapes, bench/memory.py at $memory_shapes"
 
 step() {   # step KEY NAME FILE CAP_SECONDS COMMAND...: run within min(CAP, time left), keep its output
     local key=$1 name=$2 file=$3 cap=$4
@@ -87,15 +98,17 @@ for d in ('trl', 'liger-kernel', 'datasets', 'pyarrow'):
         || echo "bitsandbytes missing: the 4-bit configurations of bench/memory.py will be skipped"
 } 2>&1 | tee "$out/gpu.txt"
 
+step laptop "bench/laptop.py (the README's laptop commands)" laptop.md 240 \
+    "$PY" bench/laptop.py --policy "${LAPTOP_POLICY:-Qwen/Qwen3-0.6B}" --json "$out/laptop.json"
 step tests "Triton kernels and log-prob tests" tests.txt 120 \
     "$PY" -m pytest -q -rs tests/test_triton_logprobs.py tests/test_cublas_logprobs.py tests/test_logprobs.py
 step step "bench/step.py" step.md 200 \
-    "$PY" bench/step.py --device cuda --shapes 1.7b --load-in-4bit --methods population --json "$out/step.json"
+    "$PY" bench/step.py --device cuda --shapes "$step_shapes" --load-in-4bit --methods population --json "$out/step.json"
 step logprobs "bench/logprobs.py" logprobs.md "${LOGPROBS_CAP_S:-180}" \
     "$PY" bench/logprobs.py --device cuda --timeout 90 --json "$out/logprobs.json"
 # The memory step leaves 60 s for the tile sweep; its configurations run target-first.
 step memory "bench/memory.py" memory.md $(( deadline - $(date +%s) - 60 )) \
-    "$PY" bench/memory.py --device cuda --repeats 1 --timeout 120 --json "$out/memory.json" \
+    "$PY" bench/memory.py --device cuda --shapes "$memory_shapes" --repeats 1 --timeout 120 --json "$out/memory.json" \
     --configs all,hf-qlora,naive-logprobs,bf16-base,no-checkpointing,no-micro-batching
 step tiles "bench/tiles.py" tiles.md 120 "$PY" bench/tiles.py --json "$out/tiles.json"
 echo "results in $out"

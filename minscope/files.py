@@ -95,10 +95,11 @@ def read_json(path: Path) -> dict:
 
 def load_state(path: Path, needs=("step",)) -> dict:
     """torch.load of a saved state, or RunFileError naming the file (empty, truncated, or
-    not a state written by train.py)."""
+    not a state written by train.py). Loaded onto the CPU (a state saved on a GPU resumes where
+    torch sees none): the adapters and optimizers copy it onto their own device."""
     path = Path(path)
     try:
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=False, map_location="cpu")
     except Exception as e:   # torch raises RuntimeError, EOFError, UnpicklingError, ... by damage
         why = (str(e).strip().splitlines() or [""])[0][:100]
         raise RunFileError(f"{path} is damaged ({type(e).__name__}: {why}); it cannot be resumed. "

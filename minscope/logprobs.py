@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 from torch.torch_version import TorchVersion
@@ -129,9 +130,9 @@ def resolve_backend(backend: str, hidden: torch.Tensor) -> str:
     """"torch", "triton" or "cublas" for `backend` in BACKENDS and these hidden states."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS} "
-                         "('auto' picks triton on CUDA when Triton imports, torch otherwise)")
+                         "('auto' picks triton on CUDA when a tiny Triton launch works, torch otherwise)")
     if backend == "auto":
-        return "triton" if hidden.is_cuda and triton_available() else "torch"
+        return "triton" if hidden.is_cuda and triton_available() and triton_launches(hidden.device) else "torch"
     if backend in ("triton", "cublas"):   # both run Triton kernels
         if not triton_available():
             raise ValueError(f"backend={backend!r} but Triton does not import; pip install triton, "
@@ -151,6 +152,54 @@ def triton_available() -> bool:
     except Exception:  # ImportError, or a broken install that fails while importing
         return False
     return True
+
+
+def _tiny_launch(device) -> None:
+    """One small Triton kernel launch: the first launch builds Triton's C launcher, which needs a
+    C compiler, Python.h and libcuda (found through ldconfig; on WSL2 it is in /usr/lib/wsl/lib)."""
+    from . import triton_logprobs
+
+    x = torch.randn(4, 16, device=device)
+    w = torch.randn(32, 16, device=device)
+    triton_logprobs.softmax_stats(x, w, torch.zeros(4, dtype=torch.long, device=device))
+    if x.is_cuda:
+        torch.cuda.synchronize(device)
+
+
+_LAUNCHES: dict = {}     # device -> whether a Triton kernel launches there (tried once per process)
+
+
+def triton_launches(device, note=None) -> bool:
+    """Whether a tiny Triton launch works on `device` (tried once per process and device); when
+    it fails, "auto" falls back to torch with a one-line note (`note`, default: stderr)."""
+    key = str(device)
+    if key not in _LAUNCHES:
+        try:
+            _tiny_launch(device)
+            _LAUNCHES[key] = True
+        except Exception as e:   # noqa: BLE001 - no compiler, no Python.h, no libcuda, a driver error ...
+            cause = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            (note or (lambda m: print(m, file=sys.stderr)))(
+                f"note: Triton cannot launch a kernel here ({type(e).__name__}: {cause}); log-probs use the torch "
+                "backend (Triton needs a C compiler, the Python headers (python3-dev) and libcuda; "
+                "--logprob-backend torch skips this try)")
+            _LAUNCHES[key] = False
+    return _LAUNCHES[key]
+
+
+def backend_for(backend: str, device) -> str:
+    """The backend `resolve_backend` picks for hidden states on `device` (the run's start-up line)."""
+    if torch.device(device).type != "cuda":
+        return "torch" if backend == "auto" else backend
+    return resolve_backend(backend, _OnDevice(device))
+
+
+class _OnDevice:
+    """Stands for hidden states on a CUDA device (is_cuda, device) without allocating any."""
+    is_cuda = True
+
+    def __init__(self, device):
+        self.device = torch.device(device)
 
 
 # ------------------------------------------------------------------------------- checks

@@ -264,6 +264,7 @@ def train_step(method: Method, env, tasks, group_size: int, step: int, first_gro
                "zero_var_frac": zero_var.float().mean().item(), "policy_entropy": p["entropy"],
                "clip_frac": p["clip_frac"], "kl": p["kl"], "policy_loss": p["loss"],
                "grad_norm": p["grad_norm"], "skipped_steps": p["skipped_steps"],   # non-finite updates
+               "ratio_dev_max": p.get("ratio_dev_max"),     # the first pass's largest |ratio - 1|
                "score_errors": sum("score_error" in ep.info for ep in episodes),   # scored 0 (rollout)
                # UpdateConfig.skip_zero_signal: no group had a reward signal, nothing was computed
                "skipped_update": bool(p.get("skipped_update", False))}
@@ -284,9 +285,11 @@ def train_step(method: Method, env, tasks, group_size: int, step: int, first_gro
         sim_adv = simulator_advantages(sim_r, group_size, m.partner.reward, m.sim_baseline, std_floor=floor)
         population = isinstance(m.partner, Population)
         s = grpo_update(m.partner.model, m.partner.trainable_adapter, m.sim_opt, episodes, "partner",
-                        sim_adv, m.sim_cfg, m.partner.tokenizer.pad_token_id, row_stats=population)
+                        sim_adv, m.sim_cfg, m.partner.tokenizer.pad_token_id, row_stats=population,
+                        sampled_by=m.partner.adapter_of)
         metrics.update(sim_reward=sim_r.mean().item(), sim_entropy=s["entropy"], sim_clip_frac=s["clip_frac"],
-                       sim_grad_norm=s["grad_norm"], sim_skipped_update=bool(s.get("skipped_update", False)))
+                       sim_grad_norm=s["grad_norm"], sim_skipped_update=bool(s.get("skipped_update", False)),
+                       sim_ratio_dev_max=s.get("ratio_dev_max"))
         if population:         # the off-policy update, measured: its ratios by the age of the snapshot that played
             metrics["sim_ratio_by_age"] = ratio_by_age(m.partner, episodes, s.pop("rows", {}), step)
         metrics["skipped_steps"] += s["skipped_steps"]

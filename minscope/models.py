@@ -288,7 +288,7 @@ def load_model(name_or_path: str, load_in_4bit: bool = False, dtype: torch.dtype
     """Load a Hugging Face causal LM and its tokenizer by hub name, local path, a GGUF file
     or a built-in name (`BUILTIN_MODELS`: converted once into the model cache).
 
-    `load_in_4bit` uses bitsandbytes NF4 (double quantisation, bf16 compute) for the base
+    `load_in_4bit` uses bitsandbytes NF4 (double quantisation; `four_bit_kwargs`) for the base
     weights; LoRA adapters stay in full precision. device: `pick_device` (default: cuda, else
     mps, else cpu); bfloat16 on cuda, float32 elsewhere (mps untested). Returns (model, tokenizer).
     """
@@ -301,14 +301,10 @@ def load_model(name_or_path: str, load_in_4bit: bool = False, dtype: torch.dtype
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=offline)
         kwargs = {}
-        if load_in_4bit:
-            from transformers import BitsAndBytesConfig
-
-            kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=torch.bfloat16)
         if dtype is None:
             dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        if load_in_4bit:
+            kwargs = four_bit_kwargs(name_or_path, dtype, device, offline)
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype, local_files_only=offline, **kwargs)
     except OSError as err:
@@ -327,6 +323,27 @@ def load_model(name_or_path: str, load_in_4bit: bool = False, dtype: torch.dtype
     tokenizer.padding_side = "left"
     fix_cpu_4bit(model)
     return model, tokenizer
+
+
+def four_bit_kwargs(checkpoint: str, dtype: torch.dtype, device: str, offline: bool) -> dict:
+    """from_pretrained's arguments for an NF4 base (bitsandbytes, double quantisation) on `device`.
+
+    A converted GGUF checkpoint (the built-in `smollm2`) holds de-quantized fp32 weights, but its
+    config still names the GGUF quantization, which transformers will not merge with a
+    BitsAndBytesConfig: that note is dropped, and the weights are quantized to NF4 as they load.
+    device_map puts the base where the run asked (without it a GPU machine loads onto cuda:0).
+    Compute runs in bf16, or in float32 where `dtype` is float32 on CUDA (cards below compute
+    capability 8.0 emulate bf16)."""
+    from transformers import AutoConfig, BitsAndBytesConfig
+
+    config = AutoConfig.from_pretrained(checkpoint, local_files_only=offline)
+    quant = getattr(config, "quantization_config", None)
+    if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
+        del config.quantization_config
+    compute = torch.float32 if device.startswith("cuda") and dtype == torch.float32 else torch.bfloat16
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=compute)
+    return dict(config=config, quantization_config=bnb, device_map={"": device})
 
 
 def fix_cpu_4bit(model) -> int:

@@ -7,6 +7,7 @@ Every mistake that needs no model fails here, in seconds, with one line saying w
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -24,7 +25,8 @@ SAMPLING_TEMPERATURE = 0.7                     # policy and simulators during tr
 # flags (train.py --seed, --temperature, ...) ran with these values, so a resume or an
 # evaluation of such a run reads them from here (`setting`).
 FIXED_BEFORE = dict(seed=0, temperature=SAMPLING_TEMPERATURE, kl=0.005, lora_r=8, lora_alpha=16, pool_size=5,
-                    pool_every=4, vs_k=5, sim_reward=None, sim_anchor=0.0, device="auto", monitor=None)
+                    pool_every=4, vs_k=5, sim_reward=None, sim_anchor=0.0, device="auto", monitor=None,
+                    dtype="auto", logprob_backend="auto", simulator_4bit=False)
 
 
 def setting(args, key: str):
@@ -162,8 +164,9 @@ def restore_args(args) -> argparse.Namespace:
               **saved, "resume": str(run_dir)}   # a run saved before a setting was a flag: its value then
     if args.steps is not None:
         merged["steps"] = args.steps
-    if getattr(args, "device", None) is not None:    # where it runs now: the results do not depend on it
-        merged["device"] = args.device
+    for key in ("device", "logprob_backend"):      # where and how it runs now: the results do not depend on it
+        if getattr(args, key, None) is not None:
+            merged[key] = getattr(args, key)
     return argparse.Namespace(**merged)
 
 
@@ -270,10 +273,25 @@ def check_device(name) -> None:
 
 
 def check_memory_args(args):
-    """--rollout-batch, --eval-temperature and --device, checked before any model loads."""
+    """--rollout-batch, --eval-temperature, --device, --dtype and --logprob-backend, checked
+    before any model loads."""
     check_device(getattr(args, "device", None))
+    from .hardware import pick_dtype
+    from .models import pick_device
+
+    device = pick_device(setting(args, "device"))
+    pick_dtype(setting(args, "dtype"), device)           # --dtype float16: refused here, in one line
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if setting(args, "logprob_backend") == "triton" and device != "cuda" and not interpreted:
+        raise SystemExit(f"--logprob-backend triton: Triton's kernels run on CUDA, and this run is on {device}; "
+                         "use --logprob-backend torch (or auto)")
     if getattr(args, "rollout_batch", None) is not None and args.rollout_batch < 1:
         raise SystemExit(f"--rollout-batch {args.rollout_batch}: give at least 1 episode")
+    group = getattr(args, "group_size", None)
+    if getattr(args, "rollout_batch", None) is not None and group and args.rollout_batch < group:
+        raise SystemExit(f"--rollout-batch {args.rollout_batch}: below --group-size {group}; the rollout plays whole "
+                         f"groups (their shared prompt is encoded once), so give at least {group}, or lower "
+                         "--group-size to save memory")
     temperature = getattr(args, "eval_temperature", None)
     if temperature is not None and not 0 <= temperature < float("inf"):
         raise SystemExit(f"--eval-temperature {temperature}: give 0 (greedy) or a positive number")

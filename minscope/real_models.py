@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .hardware import pick_dtype
 from .methods import build_method
 from .models import (
     add_adapters,
@@ -98,7 +99,11 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
     partner: the environment's scripted partner (`Environment.scripted_partner`): it is the
     training partner and the whole panel, and no simulator model is loaded.
     """
-    bits = dict(load_in_4bit=args.load_in_4bit, device=pick_device(setting(args, "device")))
+    device = pick_device(setting(args, "device"))
+    bits = dict(load_in_4bit=args.load_in_4bit, device=device, dtype=pick_dtype(setting(args, "dtype"), device))
+    # --simulator-4bit: the simulators' bases (training simulator, population, panel) in NF4 and the
+    # policy's as --dtype says; a simulator on the policy's model then gets a base of its own
+    sim_bits = {**bits, "load_in_4bit": args.load_in_4bit or bool(setting(args, "simulator_4bit"))}
     temperature = setting(args, "temperature")
     lora = dict(r=setting(args, "lora_r"), alpha=setting(args, "lora_alpha"))   # every trained adapter's
     if partner is not None:
@@ -115,8 +120,8 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
     policy_path = resolve_path(args.policy)
     sim_path = None if served_sim else resolve_path(args.simulator)
     policy_model, tok = load_model(policy_path, **bits)
-    shared = not sim_path or sim_path == policy_path
-    sim_model, sim_tok = (policy_model, tok) if shared else load_model(sim_path, **bits)
+    shared = not sim_path or (sim_path == policy_path and sim_bits == bits)
+    sim_model, sim_tok = (policy_model, tok) if shared else load_model(sim_path, **sim_bits)
     sim_path = sim_path or policy_path
     check_model_settings(policy_model, args)
 
@@ -161,10 +166,10 @@ def build_models(args, train_simulator: bool = False, panel_spec: str | None = N
             member = frozen_speaker(name, sim_model, sim_tok, slots[i])
         elif path == sim_path:                 # the same base again: reuse it, adapters off
             member = frozen_speaker(name, sim_model, sim_tok)
-        elif path == policy_path:
+        elif path == policy_path and shared:
             member = frozen_speaker(name, policy_model, tok)
         else:
-            member = frozen_speaker(name, *load_model(path, **bits))
+            member = frozen_speaker(name, *load_model(path, **sim_bits))
         panel[name] = (member, kind)
     policy = LMSpeaker(policy_model, tok, "agent", adapter="policy", temperature=temperature,
                        max_new_tokens=args.max_new_tokens, name="policy")
@@ -184,7 +189,8 @@ def build_real_method(args, env, personas):
     # prefix_sharing: each group's shared prompt is encoded once in the update (minscope/prefix.py)
     sharing = not getattr(args, "no_prefix_sharing", False)
     ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=setting(args, "temperature"),
-                beta=setting(args, "kl"), skip_zero_signal=True, prefix_sharing=sharing)
+                beta=setting(args, "kl"), skip_zero_signal=True, prefix_sharing=sharing,
+                logprob_backend=setting(args, "logprob_backend"))
     method = build_method(args.method, models.policy, frozen, UpdateConfig(lr=args.lr, **ucfg),
                           UpdateConfig(lr=args.sim_lr, **ucfg),
                           sim_model=models.sim_model if args.method in TRAINS_SIMULATOR else None,

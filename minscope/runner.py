@@ -55,11 +55,13 @@ from tqdm.auto import tqdm
 from . import distributed
 from .envs.base import task_label
 from .evaluate import eval_seed, evaluate_panel, isolated_rng
-from .files import RunLock, save_atomic, truncate_log, write_text_atomic
+from .files import RunFileError, RunLock, read_jsonl, save_atomic, truncate_log, write_text_atomic
 from .files import load_state as load_state_file
 from .loop import Log, run_loop
 from .methods import train_step
-from .models import adapter_state, load_adapter_state, save_adapter
+from .hardware import cpu_build_note, startup_line
+from .logprobs import backend_for
+from .models import adapter_state, load_adapter_state, model_device, save_adapter
 from .monitor import CollapseMonitor, MonitorConfig
 from .real_args import (
     check_args,
@@ -231,6 +233,31 @@ def reward_curve(records: list[dict]) -> list[str]:
             f"evaluation (panel mean) at step: {', '.join(evals) or '-'}"]
 
 
+# what a first attempt leaves when it fails before its first step is saved (step 0's
+# evaluation of the untrained policy included): the same command redoes all of it
+ATTEMPT_FILES = {"config.json", "metrics.jsonl", "best.json", "policy-step0", "simulator-step0", "lock", "lock.guard"}
+
+
+def failed_attempt(run_dir: Path, args) -> bool:
+    """Whether `run_dir` holds only what a first attempt with these same settings left when it
+    failed before its first step was saved (a failed model load leaves only its lock; an OOM at
+    step 0 its config.json and step 0's evaluation): then the same command starts the run again."""
+    names = {p.name for p in run_dir.iterdir() if not (p.name.startswith("lock.") and p.name.endswith(".tmp"))}
+    if not names - {"lock", "lock.guard"}:
+        return True
+    if not names <= ATTEMPT_FILES or "config.json" not in names:
+        return False
+    log = run_dir / "metrics.jsonl"
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+        records = read_jsonl(log, warn=lambda msg: None) if log.exists() else []
+    except (OSError, ValueError, RunFileError):
+        return False
+    if any(r.get("kind") != "eval" or r.get("step") != 0 for r in records):
+        return False
+    return saved == json.loads(json.dumps({**vars(args), "resume": None, **format_fields()}))
+
+
 def run_real(args):
     """Train a real-model run; under `torchrun --nproc_per_node N` every rank plays its
     share of each step's groups and rank 0 alone evaluates and writes (minscope.distributed)."""
@@ -253,7 +280,7 @@ def run_real(args):
     if not args.resume and (run_dir / "state.pt").exists():
         problem = (f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
                    "or pick another --name")
-    elif not args.resume and run_dir.is_dir() and any(run_dir.iterdir()):
+    elif not args.resume and run_dir.is_dir() and any(run_dir.iterdir()) and not failed_attempt(run_dir, args):
         # a new run never writes into a used folder (a toy run keeps its state in arms/, and an
         # interrupted real run may not have saved state.pt yet)
         what = "a toy run" if (run_dir / "arms").exists() else "files of another run"
@@ -271,14 +298,18 @@ def run_real(args):
         check_resume_steps(run_dir, args.steps, load_state_file(run_dir / "state.pt")["step"])
     if args.resume and (run_dir / "metrics.jsonl").exists():
         read_log(run_dir / "metrics.jsonl", warn=lambda msg: None)     # so does a damaged log
-    if main:
+    say = print if main else (lambda *a, **k: None)
+    note = cpu_build_note(setting(args, "device"))
+    if note:
+        say(note)
+    models, method = build_real_method(args, env, personas)
+    if main:                 # written once the models load: a failed load (a typo in --policy, offline) leaves none
         write_text_atomic(run_dir / "config.json", json.dumps({**vars(args), "resume": None, **format_fields()},
                                                               indent=2))
-    models, method = build_real_method(args, env, personas)
+    say(startup_line(models, backend_for(setting(args, "logprob_backend"), model_device(models.policy_model))))
     distributed.decorrelate(method.partner)    # ranks > 0: their own draws (a resume restores them)
     chunk = getattr(args, "rollout_batch", None) or default_rollout_batch(args, env, models)
     eval_temperature = getattr(args, "eval_temperature", None) or 0.0
-    say = print if main else (lambda *a, **k: None)
     say(f"rollouts: at most {chunk} episodes at once; gradient checkpointing "
         f"{'off' if getattr(args, 'no_grad_checkpointing', False) else 'on'}; shared prompts encoded once per "
         f"{'episode' if getattr(args, 'no_prefix_sharing', False) else 'group'}; micro-batches of "

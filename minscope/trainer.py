@@ -54,6 +54,12 @@ class UpdateConfig:
     # compute each micro-batch's shared prompt prefix once (minscope/prefix.py): the same loss
     # and gradients, fewer forward tokens
     prefix_sharing: bool = True
+    # recompute the sampled tokens' old log-probs with the update's own forward pass before the
+    # first epoch, so the importance ratio at an unchanged policy is 1: the rollout's come from
+    # its cached decode in the model's dtype, which in bf16 differ by up to 0.2 nats. None (auto):
+    # for a model that computes below float32 (bf16, fp16, 4-bit); float32/float64 models keep
+    # the rollout's (they agree to ~1e-6, and the toy's numbers stay as they were)
+    recompute_old: bool | None = None
 
 
 def make_optimizer(model, adapter: str, cfg: UpdateConfig):
@@ -86,7 +92,7 @@ def zero_signal(advantages: torch.Tensor) -> bool:
 
 
 def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: torch.Tensor,
-                cfg: UpdateConfig, pad_id: int, row_stats: bool = False) -> dict:
+                cfg: UpdateConfig, pad_id: int, row_stats: bool = False, sampled_by=None) -> dict:
     """One GRPO step on adapter `adapter` from the `key` party's tokens of `episodes`.
 
     advantages: [len(episodes)], one per episode. Returns the statistics averaged over the epochs
@@ -96,6 +102,10 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     row_stats: also return, per episode with tokens, the first pass's importance ratios
     (`rows`: episode index -> [trained tokens, clipped tokens, sum of |log ratio|]): a
     measurement only, from tensors the update computes anyway.
+    sampled_by(episode) -> the adapter that sampled its `key` tokens (default: `adapter`; a
+    population's pool snapshots): the old log-probs are recomputed under it (`cfg.recompute_old`).
+    `ratio_dev_max` in the statistics is the largest |ratio - 1| of the first pass (0 at an
+    unchanged policy when the old log-probs are recomputed).
     """
     if cfg.skip_zero_signal and zero_signal(distributed.all_sum(advantages.abs().sum()).reshape(1)):
         return skipped_update(episodes, key, pad_id, "every advantage is 0 (no group's rewards differ)")
@@ -107,6 +117,9 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     weights = aggregation_weights(mask, cfg.aggregation, cfg.max_len)                # [B, T-1]
     weights = distributed.rescale_weights(weights, mask, cfg.aggregation, cfg.max_len)   # torchrun: whole batch
     units = update_units(model, ids, attn, mask, cfg)
+    if cfg.recompute_old if cfg.recompute_old is not None else computes_below_fp32(model):
+        samplers = [adapter if sampled_by is None else sampled_by(episodes[i]) for i in batch.index]
+        old = recompute_old_logprobs(model, ids, attn, mask, old, units, samplers, cfg)
     ref = None
     if cfg.beta:   # the reference model = the base with adapters disabled (micro-batched too)
         ref = torch.zeros_like(old)
@@ -122,6 +135,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     skipped = 0     # epochs whose update was dropped (non-finite); the statistics average the others
     n_tok = distributed.all_sum(mask.sum()).clamp_min(1)     # over every rank's batch under torchrun
     row_ratios = {}     # row_stats: episode index -> [trained, clipped, sum |log ratio|]
+    ratio_dev = 0.0     # the first pass's largest |ratio - 1|
     for epoch_i in range(cfg.epochs):
         optimizer.zero_grad(set_to_none=True)
         epoch = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0}
@@ -144,6 +158,8 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
             m = mask[sl].bool()
             epoch["loss"] += loss.item()
             epoch["clip_frac"] += (clipped & m).sum().item() / n_tok.item()
+            if epoch_i == 0 and m.any():
+                ratio_dev = max(ratio_dev, float(((logp.detach() - old[sl])[m].exp() - 1).abs().max()))
             if row_stats and epoch_i == 0:
                 log_ratio = kl_log_ratio(logp.detach(), old[sl], mask[sl]).abs()
                 for i, n_i, c_i, lr_i in zip([batch.index[r] for r in rows], m.sum(1).tolist(),
@@ -178,6 +194,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
     sums["tokens_forward"], sums["tokens_forward_plain"] = sums["tokens_fed"], int(attn.sum().item())
     sums["skipped_steps"] = skipped
     sums["skipped_update"] = False
+    sums["ratio_dev_max"] = ratio_dev
     if row_stats:
         sums["rows"] = row_ratios
     return sums
@@ -200,6 +217,26 @@ def unit_logprobs(model, input_ids, attention_mask, shared: int, temperature: fl
         hidden = prefix.hidden_states(model, input_ids, attention_mask, shared)[:, :-1]
         return token_logprobs(hidden, output_embedding(model), input_ids[:, shared + 1:], temperature=temperature,
                               backend=backend)
+
+
+def computes_below_fp32(model) -> bool:
+    """Whether some weight of `model` is narrower than float32 (bf16, fp16, a 4-bit base)."""
+    return any(p.dtype not in (torch.float32, torch.float64) for p in model.parameters())
+
+
+def recompute_old_logprobs(model, ids, attn, mask, old, units, samplers, cfg: UpdateConfig):
+    """`old` with every trained token's log-prob recomputed by the update's forward pass (no
+    gradient), each row under the adapter that sampled it (`samplers[row]`)."""
+    out = old.clone()
+    with torch.no_grad():
+        for rows, p, n in units:
+            for name in dict.fromkeys(samplers[r] for r in rows):
+                sub = [r for r in rows if samplers[r] == name]
+                lp = unit_logprobs(model, ids[sub, :n], attn[sub, :n], p, cfg.temperature, adapter=name,
+                                   backend=cfg.logprob_backend)
+                keep = mask[sub, p:n - 1].bool()
+                out[sub, p:n - 1] = torch.where(keep, lp.to(out.dtype), out[sub, p:n - 1])
+    return out
 
 
 MAX_NONFINITE_IN_A_ROW = 3

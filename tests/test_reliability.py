@@ -330,7 +330,6 @@ def test_toy_group_settings_reach_the_config(tmp_path, monkeypatch):
     (["--name", "/tmp/x"], "--name '/tmp/x': give a plain folder name"),
     (["--name", ""], "--name '': give a plain folder name"),
     (["--name", ".."], "--name '..': give a plain folder name"),
-    (["--policy", "smollm2", "--load-in-4bit"], "--load-in-4bit does not apply to smollm2: a GGUF model"),
     (["--domain", "airline"], "--domain is for --env tau2, not --env p4g"),
 ])
 def test_bad_real_arguments_are_one_message_before_any_model_loads(tmp_path, capsys, argv, message):
