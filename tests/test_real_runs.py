@@ -302,6 +302,26 @@ def test_the_divergence_alarm_reads_the_unseen_members_and_their_noise():
     assert [a["signal"] for a in alarms] == ["divergence"]     # fell 0.4 > 2 x sqrt(2) x 0.1
 
 
+def test_checkpoint_selection_never_reads_the_unseen_members():
+    from minscope.loop import is_better
+    from minscope.runner import CHECKPOINT_SCORE, panel_means
+
+    def evaluation(seen, unseen):
+        return panel_means({"train-simulator": {"kind": "seen", "mean": seen, "se": 0.0},
+                            "gemma3-270m": {"kind": "unseen", "mean": unseen, "se": 0.0},
+                            "seen": {"kind": "group", "mean": seen, "se": 0.0},
+                            "unseen": {"kind": "group", "mean": unseen, "se": 0.0}})
+
+    first = evaluation(seen=0.5, unseen=0.1)
+    best = {"step": 0, CHECKPOINT_SCORE: first[CHECKPOINT_SCORE]}
+    # the unseen member improves a lot, the seen one falls a little: the panel mean rises, but
+    # the checkpoint kept is still the first; any change of the unseen member alone changes nothing
+    later = evaluation(seen=0.45, unseen=0.9)
+    assert later["panel_mean"] > first["panel_mean"] and not is_better(later, best, CHECKPOINT_SCORE)
+    assert all(evaluation(0.5, u)[CHECKPOINT_SCORE] == first[CHECKPOINT_SCORE] for u in (0.0, 0.3, 1.0))
+    assert is_better(evaluation(seen=0.55, unseen=0.0), best, CHECKPOINT_SCORE)
+
+
 def test_ensemble_needs_two_training_simulators_and_no_unseen_member_turns_the_divergence_alarm_off(
         tmp_path, template_models, capsys):
     model = template_models["qwen3"]
