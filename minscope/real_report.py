@@ -40,7 +40,7 @@ import torch
 from .evaluate import evaluate_panel, pass_hat_k, summarize
 from .files import RunFileError, read_json, read_jsonl
 from .models import load_adapter
-from .real_args import eval_tasks, make_env
+from .real_args import eval_tasks, make_env, setting
 from .real_models import build_models, models_thinking
 from .report_html import code_fence, write_html, write_report_file
 
@@ -369,10 +369,33 @@ def training_log(run_dir: Path) -> list[str]:
                     "|---|" + "---|" * len(members)]
             out += [f"| {k} | " + " | ".join(_f(r["probe"][m].get(k), 2) for m in members) + " |" for k in labels]
             out.append("")
+    out += pool_lines([r for r in recs if r.get("kind") == "train"], run_dir)
     alarms = [r for r in recs if r.get("kind") == "alarm"]
     out += ["", "Collapse monitor (minscope/monitor.py): " + ("; ".join(f"step {r['step']}: {r['detail']}" for r in alarms)
                                                            if alarms else "no alarm.")]
     out += timings([r for r in recs if r.get("kind") == "train"], evals)
+    return out
+
+
+def pool_lines(steps: list[dict], run_dir: Path) -> list[str]:
+    """Population's pool: at how many training steps it was full (all K snapshots in play) and
+    which snapshots played the groups. A log from before `pool_full` was logged is read from
+    `pool_size` (logged after each step's snapshot: the pool a step plays is the previous
+    step's, one snapshot at step 0)."""
+    steps = [r for r in steps if "pool_size" in r]
+    if not steps:
+        return []
+    size = setting(argparse.Namespace(**read_json(run_dir / "config.json")), "pool_size")
+    full = [r["pool_full"] if "pool_full" in r else (prev["pool_size"] if prev else 1) == size
+            for prev, r in zip([None] + steps[:-1], steps)]
+    out = ["", f"Population pool (K = {size}): full while it played at {sum(full)} of {len(steps)} training steps "
+           f"({100 * sum(full) / len(steps):.0f}%)" + (f", from step {steps[full.index(True)]['step']}" if any(full) else "")
+           + "."]
+    played = [s for r in steps for s in r.get("pool_played", [])]
+    if played:
+        out[-1] += (f" The step-0 snapshot (the untrained simulator, RL (Single)'s) played {played.count(0)} of "
+                    f"{len(played)} groups; groups per snapshot: "
+                    + ", ".join(f"step {k}: {played.count(k)}" for k in sorted(set(played))) + ".")
     return out
 
 

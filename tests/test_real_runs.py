@@ -378,7 +378,14 @@ def test_a_real_run_uses_its_settings_the_monitor_reads_it_and_a_resume_keeps_bo
     train_cli.main(["--env", "p4g", "--resume", str(run), "--steps", "2"])
     assert built[-1] == first
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["pool_size"] for r in recs if r["kind"] == "train"] == [1, 2]     # K = 2, a snapshot each step
+    steps = [r for r in recs if r["kind"] == "train"]
+    assert [r["pool_size"] for r in steps] == [1, 2]     # K = 2, a snapshot each step (after it)
+    # step 1's snapshot joins after step 1 has played: the step-0 snapshot played every group, alone
+    assert [r["pool_full"] for r in steps] == [False, False]
+    assert all(r["pool_played"] == [0] * sum(r["served_by"].values()) for r in steps)
+    log = "\n".join(training_log(run))
+    assert "Population pool (K = 2): full while it played at 0 of 2 training steps (0%)." in log
+    assert "The step-0 snapshot (the untrained simulator, RL (Single)'s) played 4 of 4 groups" in log
     again = json.loads((run / "config.json").read_text())
     assert {k: again[k] for k in saved if k not in ("steps",)} == {k: saved[k] for k in saved if k != "steps"}
     assert again["monitor"]["zero_var"] == -1 and again["steps"] == 2
@@ -402,3 +409,26 @@ def test_an_environment_with_a_scripted_partner_plays_it_and_the_run_prints_its_
         train_cli.main([*run, "--name", "vs", "--method", "vs"])
     with pytest.raises(SystemExit, match="plays its own scripted asker; --simulator does not apply"):
         train_cli.main([*run, "--name", "sim", "--simulator", template_models["qwen3"]])
+
+
+@pytest.mark.parametrize("every,full_from,full_steps,zeros", [(4, 17, 3, 25), (2, 9, 11, 14)])
+def test_the_report_gives_the_share_of_steps_the_pool_played_full(tmp_path, every, full_from, full_steps, zeros):
+    """K = 5 over 20 steps: a snapshot every 4 steps fills the pool for 3 steps, every 2 for 11,
+    whether the log says so (pool_full, pool_played) or a log from before says only pool_size."""
+    from collections import deque
+
+    from minscope.real_report import pool_lines
+
+    (tmp_path / "config.json").write_text(json.dumps({"pool_size": 5, "pool_every": every}))
+    pool, new, old = deque([0], maxlen=5), [], []      # the snapshot steps; the first taken at step 0
+    for step in range(20):                             # as methods.train_step logs them
+        full, played = len(pool) == 5, [pool[0], pool[-1]]     # two groups: the oldest, the newest
+        if step > 0 and step % every == 0:
+            pool.append(step)
+        old.append({"kind": "train", "step": step, "pool_size": len(pool)})
+        new.append(dict(old[-1], pool_full=full, pool_played=played))
+    for recs in (old, new):
+        line = pool_lines(recs, tmp_path)[-1]
+        assert line.startswith(f"Population pool (K = 5): full while it played at {full_steps} of 20 training "
+                               f"steps ({100 * full_steps / 20:.0f}%), from step {full_from}.")
+    assert f"The step-0 snapshot (the untrained simulator, RL (Single)'s) played {zeros} of 40 groups" in line
