@@ -209,7 +209,8 @@ def build_parser():
     g_sim.add_argument("--panel", help="held-out evaluation simulators, comma-separated "
                        "models, adapter dirs or openai:MODEL@URL endpoints; prefix with 'unseen:' to mark unseen ones (default: "
                        "none, so only the training simulator is evaluated; the collapse monitor's divergence alarm "
-                       "reads the unseen members and is off without one)")
+                       "reads the unseen members and is off without one; --checkpoint best never reads them), e.g. "
+                       "unseen:gemma3-270m (built in: Gemma 3 270M, another model family, evaluation only)")
     g_real.add_argument("--load-in-4bit", action="store_true", help="4-bit NF4 base weights for every model "
                         "(bitsandbytes; on CUDA, and on the CPU through bitsandbytes' CPU backend, slower than the "
                         "default float32); a GGUF model (smollm2) is de-quantized, then quantized to NF4")

@@ -31,6 +31,12 @@ fails the probe falls back to re-rendering the whole conversation (a stream whos
 was rewritten restarts and is not trained on: `Stream.exact` is False), and the training
 run stops with a message if too few streams stay exact.
 
+A tokenizer without a chat template (a base model, e.g. Gemma 3 270M) is prompted as a plain
+transcript (`plain_transcript`): the system text, a blank line, then one labelled line per
+message ("Partner: ...", "You: ..."), ending with the speaker's label "You:". Each of its
+turns stops at a newline (`ChatFormat.stop_ids`), so the next message's line follows it and
+the same per-turn deltas hold.
+
 Reasoning: a turn's text as the OTHER party sees it has its `<think>...</think>` removed
 (`strip_reasoning`); the party that produced it keeps its own sampled tokens.
 """
@@ -85,6 +91,24 @@ def tools_in_system(messages: list[dict], tools) -> list[dict]:
     return messages
 
 
+PLAIN_LABELS = {"user": "Partner", "assistant": "You", "tool": "Tool"}
+
+
+def plain_transcript(messages: list[dict], bos: str | None = None, generation_prompt: bool = True) -> str:
+    """`messages` as a plain transcript, for a tokenizer without a chat template: `bos` (the
+    tokenizer's begin-of-sequence text, if any), the system text and a blank line, then one
+    line per message, "Label: content" (PLAIN_LABELS), and the speaker's "You:" to continue."""
+    text = bos or ""
+    for m in messages:
+        if m["role"] == "system":
+            text += m["content"] + "\n\n"
+            continue
+        content = m["content"]
+        text += PLAIN_LABELS.get(m["role"], m["role"].capitalize()) + ":" + ("" if content[:1].isspace() else " ")
+        text += content + "\n"
+    return text + (PLAIN_LABELS["assistant"] + ":" if generation_prompt else "")
+
+
 class TemplateError(ValueError):
     """The chat template cannot be decomposed into per-turn deltas."""
 
@@ -100,11 +124,14 @@ class ChatFormat:
         self.tokenizer, self.thinking = tokenizer, thinking
         self.kwargs = {"enable_thinking": bool(thinking)}
         self._probed: str | None = None          # None: not probed yet; "" ok; else the reason
+        self.plain = not getattr(tokenizer, "chat_template", None)    # no template: a plain transcript
 
     # ------------------------------------------------------------------ rendering
     def render(self, messages: list[dict], tools=None, generation_prompt: bool = True) -> str:
         if tools and not self.renders_tools:     # e.g. SmolLM2's template: list them in the system turn
             messages, tools = tools_in_system(messages, tools), None
+        if self.plain:
+            return plain_transcript(messages, self.tokenizer.bos_token, generation_prompt)
         kwargs = dict(self.kwargs, **({"tools": tools} if tools else {}))
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=generation_prompt, **kwargs)
@@ -113,6 +140,8 @@ class ChatFormat:
     def renders_tools(self) -> bool:
         """Whether the template writes the `tools` it is given (cached). Some (SmolLM2's)
         silently drop them; `render` then lists the tools in the system message itself."""
+        if self.plain:
+            return False
         if not hasattr(self, "_renders_tools"):
             probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
             tool = {"type": "function", "function": {"name": "minscope_probe_tool", "parameters": {}}}
@@ -131,6 +160,17 @@ class ChatFormat:
         if at < 0:
             raise TemplateError("the chat template did not render the stub's assistant message")
         return full[at + len(STUB_MARK):]
+
+    @property
+    def stop_ids(self) -> set[int]:
+        """Token ids that end a turn besides the tokenizer's end-of-sequence: for a plain
+        transcript, the tokens that are only newlines (a line is a turn); none otherwise."""
+        if not self.plain:
+            return set()
+        if not hasattr(self, "_stop_ids"):
+            found = [self.tokenizer("\n" * n, add_special_tokens=False)["input_ids"] for n in range(1, 9)]
+            self._stop_ids = {ids[0] for ids in found if len(ids) == 1}
+        return self._stop_ids
 
     # ------------------------------------------------------------------ the probe
     def probe(self) -> str:

@@ -39,6 +39,7 @@ SUM_KEYS = {"score_errors", "tokens_prefilled", "tokens_generated", "served_requ
             "served_prompt_tokens", "served_completion_tokens", "vs_requests", "vs_retries",
             "vs_parse_failures", "vs_fallbacks", "vs_draws"}
 MAX_KEYS = {"rollout_s", "served_latency_max_s"}
+GROUP_LIST_KEYS = {"pool_played"}       # one entry per group: the ranks' lists joined
 
 
 def launched() -> bool:
@@ -179,7 +180,8 @@ def gather(obj) -> list:
 
 def merge_metrics(metrics: dict) -> dict:
     """One metrics.jsonl record from every rank's: counts summed, wall times maximal,
-    dictionaries (served_by) added, other numbers averaged (equal shares of the batch)."""
+    dictionaries (served_by) added, per-group lists (pool_played) joined in rank order (the
+    ranks' shares of the groups in order), other numbers averaged (equal shares of the batch)."""
     if not active():
         return metrics
     parts = gather(metrics)
@@ -191,6 +193,8 @@ def merge_metrics(metrics: dict) -> dict:
             for v in values:
                 total.update(v or {})
             out[key] = dict(total)
+        elif key in GROUP_LIST_KEYS:
+            out[key] = [x for v in values for x in (v or [])]
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and \
                 all(isinstance(v, (int, float)) for v in values):
             if all(v == values[0] for v in values) and key not in SUM_KEYS:

@@ -249,6 +249,9 @@ def train_step(method: Method, env, tasks, group_size: int, step: int, first_gro
     episodes = rollout(env, tasks, m.policy, m.partner, group_size, first_group=first_group, seed=seed)
     if isinstance(m.partner, Population):
         m.partner.observe(episodes)       # before any snapshot moves the pool's slots
+        # which snapshot played each group (in group order), and whether all K were in play
+        pool_played = m.partner.played_by(episodes[::group_size])
+        pool_full = len(m.partner.pool) == m.partner.size
     # float64 for the toy's float64 models, whose numbers must not depend on the CPU (precision.py)
     rewards = torch.tensor([ep.reward for ep in episodes], dtype=work_dtype(m.policy.model))
     floor = getattr(env, "reward_std_floor", 0.0)      # continuous rewards (P4G's read ones)
@@ -300,7 +303,8 @@ def train_step(method: Method, env, tasks, group_size: int, step: int, first_gro
     if isinstance(m.partner, Population):
         if step > 0 and step % m.partner.every == 0:
             m.partner.snapshot(step)
-        metrics["pool_size"] = len(m.partner.pool)
+        metrics["pool_size"] = len(m.partner.pool)          # after this step's snapshot
+        metrics["pool_played"], metrics["pool_full"] = pool_played, pool_full
         metrics["pool_scores"] = {str(k): round(v, 4) for k, v in sorted(m.partner.scores.items())}
         metrics["pool_mb"] = m.partner.pool_nbytes() / 2**20
     if isinstance(m.partner, Verbalized):

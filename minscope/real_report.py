@@ -1,7 +1,7 @@
 """Evaluate a real-model run (P4G, tau2-bench) from its saved policy adapter; write report.md.
 
     python eval.py runs/p4g-vs                       the latest policy-step*/ vs the run's panel
-    python eval.py runs/p4g-vs --checkpoint best     the step with the best panel mean in training
+    python eval.py runs/p4g-vs --checkpoint best     the step with the best seen-panel mean in training
     python eval.py runs/tau2-single --trials 4       tau2: 4 trials per task -> pass^1..pass^4
     python eval.py runs/cooperbench-selfplay --trials 4   CooperBench: the same, per pair
 
@@ -40,7 +40,7 @@ import torch
 from .evaluate import evaluate_panel, pass_hat_k, summarize
 from .files import RunFileError, read_json
 from .models import load_adapter
-from .real_args import eval_tasks, make_env
+from .real_args import eval_tasks, make_env, setting
 from .real_models import build_models, models_thinking
 from .readout import low_coverage
 from .report_html import code_fence, write_html, write_report_file
@@ -64,7 +64,7 @@ def find_checkpoints(run_dir) -> dict[int, Path]:
 
 
 def pick_checkpoint(run_dir, which: str = "latest") -> tuple[int, Path]:
-    """`latest`, `best` (best.json: the best panel mean during training) or a step number."""
+    """`latest`, `best` (best.json: the best seen-panel mean during training) or a step number."""
     run_dir = Path(run_dir)
     found = find_checkpoints(run_dir)
     if not found:
@@ -95,6 +95,9 @@ def _mean(xs) -> float:
 
 
 READINGS = ("readout_decision", "readout_asked", "reward_parsed", "reward_sampled", "readout_coverage")
+# what an evaluation during training logs of them (P4GEnv.readings); the unseen members' as "unseen_" + key
+EVAL_READINGS = ("readout_decision", "readout_asked", "reward_parsed", "reward_sampled", "decision_read",
+                 "readout_coverage", "readout_asked_coverage")
 
 
 def p4g_summary(episodes) -> dict:
@@ -255,7 +258,12 @@ def p4g_sections(members: dict) -> list[str]:
                 "|---|---|---|---|---|---|"]
         for name, m in members.items():
             r = m["summary"].get("readings", {})
-            out.append(f"| {name} | " + " | ".join(_f(r.get(k)) for k in READINGS) + " |")
+            out.append(f"| {name} ({m['kind']}) | " + " | ".join(_f(r.get(k)) for k in READINGS) + " |")
+        for kind in ("seen", "unseen"):       # the seen and the unseen members' means, apart
+            rows = [m["summary"].get("readings", {}) for m in members.values() if m["kind"] == kind]
+            if rows:
+                out.append(f"| mean over {kind} ({len(rows)}) | " + " | ".join(
+                    _f(float(np.mean(v)) if (v := [x[k] for x in rows if k in x]) else None) for k in READINGS) + " |")
     return out
 
 
@@ -327,17 +335,29 @@ def training_log(run_dir: Path) -> list[str]:
     if evals:
         skip = {"kind", "step", "split", "tasks", "panel_mean", "seen", "unseen", "eval_temperature", "eval_s",
                 "seen_se", "unseen_se", "dialogues", "probe"}
-        names = [k for k in evals[0] if k not in skip]
+        readings = [k for k in EVAL_READINGS if any(k in r for r in evals)]
+        names = [k for k in evals[0] if k not in skip and k.removeprefix("unseen_") not in EVAL_READINGS]
+        groups = [k for k in ("seen", "unseen") if k in evals[0]]
         n = evals[0].get("tasks")
         which = f"the first {n} {evals[0].get('split', 'test')} tasks" if n else f"{evals[0].get('split', 'test')} tasks"
         temperature = evals[0].get("eval_temperature")
         how = ("policy and simulators greedy" if temperature == 0 else "greedy policy" if temperature is None
                else f"policy and simulators at temperature {temperature:g}")
-        out += ["", f"Evaluations during training ({how}, {which}, one episode per task):", "",
-                "| step | " + " | ".join(names) + " | panel mean |", "|---|" + "---|" * (len(names) + 1)]
+        cols = names + [f"{k} mean" for k in groups] + ["panel mean"]
+        out += ["", f"Evaluations during training ({how}, {which}, one episode per task). `--checkpoint best` "
+                "(best.json) is the step with the best seen mean; the unseen members are never read by it.", "",
+                "| step | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
         for r in evals:
-            out.append(f"| {r['step']} | " + " | ".join(_f(r.get(n)) for n in names) +
+            out.append(f"| {r['step']} | " + " | ".join(_f(r.get(n)) for n in names + groups) +
                        f" | {_f(r.get('panel_mean'))} |")
+        if readings:
+            out += ["", "The persuadee's readings at each evaluation: the means over the seen members' episodes, "
+                    "and apart over the unseen members' (minscope/readout.py):", "",
+                    "| step | members | " + " | ".join(readings) + " |", "|---|---|" + "---|" * len(readings)]
+            for r in evals:
+                for kind, prefix in (("seen", ""), ("unseen", "unseen_")):
+                    if any(prefix + k in r for k in readings):
+                        out.append(f"| {r['step']} | {kind} | " + " | ".join(_f(r.get(prefix + k)) for k in readings) + " |")
     probed = [r for r in evals if r.get("probe")]
     if probed:      # P4G with a trained persuadee: the probe set at the first and last evaluation
         out += ["", "The trained persuadee on the probe set (envs/p4g.py PROBE_MESSAGES; expected gift in "
@@ -354,10 +374,33 @@ def training_log(run_dir: Path) -> list[str]:
     low = low_coverage([r for r in recs if r.get("kind") in ("train", "eval")])
     if low:        # P4G's read rewards: many answers unreadable (minscope/readout.py)
         out += ["", f"**Warning**: {low}."]
+    out += pool_lines([r for r in recs if r.get("kind") == "train"], run_dir)
     alarms = [r for r in recs if r.get("kind") == "alarm"]
     out += ["", "Collapse monitor (minscope/monitor.py): " + ("; ".join(f"step {r['step']}: {r['detail']}" for r in alarms)
                                                            if alarms else "no alarm.")]
     out += timings([r for r in recs if r.get("kind") == "train"], evals)
+    return out
+
+
+def pool_lines(steps: list[dict], run_dir: Path) -> list[str]:
+    """Population's pool: at how many training steps it was full (all K snapshots in play) and
+    which snapshots played the groups. A log from before `pool_full` was logged is read from
+    `pool_size` (logged after each step's snapshot: the pool a step plays is the previous
+    step's, one snapshot at step 0)."""
+    steps = [r for r in steps if "pool_size" in r]
+    if not steps:
+        return []
+    size = setting(argparse.Namespace(**read_json(run_dir / "config.json")), "pool_size")
+    full = [r["pool_full"] if "pool_full" in r else (prev["pool_size"] if prev else 1) == size
+            for prev, r in zip([None] + steps[:-1], steps)]
+    out = ["", f"Population pool (K = {size}): full while it played at {sum(full)} of {len(steps)} training steps "
+           f"({100 * sum(full) / len(steps):.0f}%)" + (f", from step {steps[full.index(True)]['step']}" if any(full) else "")
+           + "."]
+    played = [s for r in steps for s in r.get("pool_played", [])]
+    if played:
+        out[-1] += (f" The step-0 snapshot (the untrained simulator, RL (Single)'s) played {played.count(0)} of "
+                    f"{len(played)} groups; groups per snapshot: "
+                    + ", ".join(f"step {k}: {played.count(k)}" for k in sorted(set(played))) + ".")
     return out
 
 

@@ -490,7 +490,7 @@ class LMSpeaker:
         self.adapter, self.temperature, self.max_new_tokens = adapter, temperature, max_new_tokens
         self.name = name or (adapter if isinstance(adapter, str) else role)
         self.system_suffix = system_suffix  # str or episode -> str, appended to the system message
-        self.eos = eos_token_ids(tokenizer, model)
+        self.eos = eos_token_ids(tokenizer, model) | self.chat.stop_ids    # (a plain transcript: a newline too)
 
     @property
     def chat(self):

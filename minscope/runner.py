@@ -25,7 +25,7 @@ and `eval_s` on evaluation records) and counts the tokens fed and sampled.
                                 evaluation ("kind": "eval": panel means)
            policy-step{N}/      the policy adapter at each evaluation (PEFT format)
            simulator-step{N}/   the trained simulator adapter (cotrain, population)
-           best.json            the evaluated step with the best panel mean
+           best.json            the evaluated step with the best seen-panel mean
            state.pt             everything needed to continue (adapters, optimizers, RNGs,
                                 the population pool)
 
@@ -150,9 +150,14 @@ def load_state(path: Path, models: Models, method) -> tuple[int, dict]:
     return st["step"] + 1, st.get("best", {})
 
 
+# The checkpoint rule's score (best.json): the mean over the SEEN panel members (the training
+# simulator is always one). The unseen members are held out: no checkpoint is chosen on them.
+CHECKPOINT_SCORE = "seen"
+
+
 def panel_means(res: dict) -> dict:
-    """Flat eval record: each member's mean, the seen/unseen group means, and their overall
-    mean (`panel_mean`, used to pick the best checkpoint)."""
+    """Flat eval record: each member's mean, the seen/unseen group means (`seen`: the
+    checkpoint rule's score, CHECKPOINT_SCORE), and the mean over every member (`panel_mean`)."""
     rec = {k: v["mean"] for k, v in res.items()}
     rec.update({f"{k}_se": v["se"] for k, v in res.items() if v.get("kind") == "group"})   # the monitor reads them
     members = [v["mean"] for v in res.values() if v.get("kind") in ("seen", "unseen")]
@@ -202,8 +207,10 @@ def evaluate_and_save(env, models, method, tasks, split, step, run_dir,
                              episodes_per_task=1, policy_temperature=temperature)
     rec = {"kind": "eval", "step": step, "split": split, "tasks": len(tasks), **panel_means(res),
            "eval_temperature": temperature, "eval_s": time.perf_counter() - t0}
-    if hasattr(env, "readings"):     # P4G's --p4g-reward expected: every reading, over the whole panel
-        rec.update(env.readings([ep for v in res.values() for ep in v.get("episodes", [])]))
+    if hasattr(env, "readings"):     # P4G's --p4g-reward expected: every reading, over the seen members; the
+        for kind, prefix in (("seen", ""), ("unseen", "unseen_")):     # unseen members' apart, "unseen_..."
+            eps = [ep for v in res.values() if v.get("kind") == kind for ep in v.get("episodes", [])]
+            rec.update({prefix + k: x for k, x in env.readings(eps).items()})
         if method.trains_simulator and getattr(env, "decision", None):     # the trained persuadee(s), probed
             rec["probe"] = probe_persuadees(env, method.partner)
     # one dialogue per panel member, for the report (report.html: the first and last evaluation)
@@ -329,7 +336,11 @@ def run_real(args):
     monitor = CollapseMonitor(cfg=MonitorConfig(**(setting(args, "monitor") or {})), panel_key="unseen",
                               real_key=None)
     if log_path.exists():
-        monitor.replay(read_log(log_path, warn=lambda msg: None))
+        logged = read_log(log_path, warn=lambda msg: None)
+        monitor.replay(logged)
+        if best and CHECKPOINT_SCORE not in best:    # a run saved before the seen-only rule: its best's score
+            best.update({CHECKPOINT_SCORE: r[CHECKPOINT_SCORE] for r in logged
+                         if r.get("kind") == "eval" and r.get("step") == best.get("step") and CHECKPOINT_SCORE in r})
 
     def evaluate(step):                        # rank 0 alone evaluates (and saves the adapters)
         if not main:
@@ -344,7 +355,7 @@ def run_real(args):
     warned = []                                # a training step's low readout coverage is said once
 
     def keep_best(step, rec):
-        best = {"step": step, "panel_mean": rec["panel_mean"]}
+        best = {"step": step, CHECKPOINT_SCORE: rec[CHECKPOINT_SCORE], "panel_mean": rec["panel_mean"]}
         write_text_atomic(run_dir / "best.json", json.dumps(best) + "\n")
         return best
 
@@ -387,7 +398,7 @@ def run_real(args):
             log.write(json.dumps(rec) + "\n")
             log.flush()
         run_loop(args.steps, args.eval_every, train, evaluate, Log(write, monitor, tqdm.write), save, keep_best,
-                 score="panel_mean", start=start, best=best, desc=f"{args.env}/{args.method}", progress=main)
+                 score=CHECKPOINT_SCORE, start=start, best=best, desc=f"{args.env}/{args.method}", progress=main)
     if main:
         say("\n".join(reward_curve(read_log(log_path, warn=lambda msg: None))))
         say(f"report (training log, curves, dialogues): {write_real_report(run_dir, evaluate=False)} and "

@@ -213,6 +213,12 @@ class Population(Trainable):
         for slot, (_, state) in zip(self.slots, self.pool):
             load_adapter_state(self.model, slot, state)
 
+    def played_by(self, episodes) -> list[int]:
+        """The snapshot (the step it was taken at) that played each of `episodes`, as the pool
+        stands now (call it before the next snapshot moves the slots)."""
+        step_of = {slot: step for slot, (step, _) in zip(self.slots, self.pool)}
+        return [step_of[ep.partner_name] for ep in episodes]
+
     def pool_nbytes(self) -> int:
         return sum(adapter_nbytes(s) for _, s in self.pool)
 

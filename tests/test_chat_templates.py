@@ -1,5 +1,6 @@
 """Token streams stay exact under real chat templates (Qwen3 with thinking on and off,
-Llama 3.x Instruct, the tiny models' ChatML), and reasoning is not shown to the other party.
+Llama 3.x Instruct, the tiny models' ChatML) and under none (a base model's plain transcript),
+and reasoning is not shown to the other party.
 
 The templates are the real ones (tests/fixtures/templates, see SOURCE.md there), put on a
 tokenizer trained offline, with the special tokens those templates use.
@@ -25,6 +26,9 @@ def make_tokenizer(kind: str, corpus=CORPUS, vocab_size: int = 400):
     "chatml" (the tiny models' own), with the special tokens and EOS that template uses."""
     tok = build_tokenizer(corpus, vocab_size=vocab_size)
     if kind == "chatml":
+        return tok
+    if kind == "plain":                   # no chat template (a base model): a plain transcript
+        tok.chat_template = None
         return tok
     if kind == "qwen3":
         # Qwen3 keeps these as added, non-special tokens (decode keeps them)
@@ -58,10 +62,10 @@ class Talk(Environment):
 
 
 CASES = [("qwen3", "qwen3", False), ("qwen3", "qwen3", True), ("llama3", "llama", False),
-         ("chatml", "qwen3", False)]
+         ("chatml", "qwen3", False), ("plain", "llama", False)]
 
 
-@pytest.mark.parametrize("kind,arch,thinking", CASES, ids=["qwen3", "qwen3-thinking", "llama3", "chatml"])
+@pytest.mark.parametrize("kind,arch,thinking", CASES, ids=["qwen3", "qwen3-thinking", "llama3", "chatml", "plain"])
 def test_ten_turns_keep_both_streams_exact_and_trainable(kind, arch, thinking):
     tok = make_tokenizer(kind)
     torch.manual_seed(0)
@@ -92,6 +96,25 @@ def test_ten_turns_keep_both_streams_exact_and_trainable(kind, arch, thinking):
             logp = sequence_logprobs(model, batch.input_ids, batch.attention_mask, 1.0, adapter=None)
         m = batch.loss_mask.bool()
         assert m.any() and torch.allclose(logp[m], batch.old_logp[m], atol=1e-5)
+
+
+def test_a_tokenizer_without_a_template_gets_a_plain_transcript_that_extends_turn_by_turn():
+    tok = make_tokenizer("plain")
+    tok.bos_token = "<|endoftext|>"
+    fmt = ChatFormat(tok)
+    assert fmt.plain and fmt.incremental and not fmt.renders_tools
+    assert tok.convert_tokens_to_ids("Ċ") in fmt.stop_ids          # byte-level BPE's "\n": a turn is a line
+    system = {"role": "system", "content": "You are a person being asked for money."}
+    first = fmt.render([system, {"role": "user", "content": "hello there"}])
+    assert first == "<|endoftext|>You are a person being asked for money.\n\nPartner: hello there\nYou:"
+    # the party samples " no thanks" and stops at a newline; the next message is appended
+    delta = fmt.delta([{"role": "user", "content": "how are you today"}], sampled_end="\n")
+    assert delta == "Partner: how are you today\nYou:"
+    whole = fmt.render([system, {"role": "user", "content": "hello there"},
+                        {"role": "assistant", "content": " no thanks"}, {"role": "user", "content": "how are you today"}])
+    assert first + " no thanks\n" + delta == whole
+    # stopped at the length cap (no newline sampled): the next line starts on a line of its own
+    assert fmt.delta([{"role": "user", "content": "x"}], sampled_end="") == "\nPartner: x\nYou:"
 
 
 def test_the_old_whole_conversation_rerender_breaks_on_qwen3():

@@ -93,3 +93,17 @@ def test_torchrun_refuses_the_toy_and_groups_it_cannot_split(monkeypatch, tmp_pa
     with pytest.raises(SystemExit, match="--groups 3 cannot be split evenly over 2 processes"):
         train_cli.main([*RUN, "--groups", "3", "--policy", word_model, "--runs-dir", str(tmp_path)])
     assert not any(tmp_path.iterdir())                  # refused before anything was written
+
+
+def test_merged_metrics_join_the_ranks_per_group_lists_in_rank_order(monkeypatch):
+    from minscope import distributed
+
+    ranks = [{"step": 3, "pool_played": [0, 4], "served_by": {"pool0": 1, "pool1": 1}, "group_std": [0.1, 0.2, 0.3],
+              "tokens_generated": 10},
+             {"step": 3, "pool_played": [4, 4], "served_by": {"pool1": 2}, "group_std": [0.0, 0.2, 0.4],
+              "tokens_generated": 12}]
+    monkeypatch.setattr(distributed, "active", lambda: True)
+    monkeypatch.setattr(distributed, "gather", lambda metrics: ranks)
+    out = distributed.merge_metrics(ranks[0])
+    assert out["pool_played"] == [0, 4, 4, 4] and out["served_by"] == {"pool0": 1, "pool1": 3}
+    assert out["tokens_generated"] == 22 and out["step"] == 3

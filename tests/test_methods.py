@@ -554,3 +554,24 @@ def test_population_logs_its_simulator_ratios_by_snapshot_age_without_changing_t
         assert clipped == pytest.approx(metrics["sim_clip_frac"], abs=1e-6)   # one pass: the same count
         ages += list(by_age)
     assert ages[0] == "0" and any(a != "0" for a in ages)   # the live adapter moves past its snapshots
+
+
+def test_population_logs_which_snapshot_played_each_group_and_whether_the_pool_was_full(parts, tokenizer):
+    policy, frozen, sim_model = parts
+    env = WordGame()
+    m = build_method("population", policy, frozen, UpdateConfig(lr=1e-3), UpdateConfig(lr=1e-3),
+                     sim_model=sim_model, sim_tokenizer=tokenizer, sim_reward="adversarial", pool_size=2,
+                     pool_every=1)
+    tasks = env.tasks()[:3]
+    recs = []
+    for step in range(4):
+        torch.manual_seed(20 + step)
+        recs.append(train_step(m, env, tasks, 2, step=step))
+    # the step-0 snapshot plays alone until the step-1 snapshot joins it; full (K = 2) from step 2 on
+    assert [r["pool_full"] for r in recs] == [False, False, True, True]
+    assert [r["pool_size"] for r in recs] == [1, 2, 2, 2]          # (after each step's snapshot)
+    assert recs[0]["pool_played"] == recs[1]["pool_played"] == [0, 0, 0]
+    # in group order: at step 3 the pool held the snapshots of steps 1 and 2 in slots pool0, pool1
+    groups = recs[3]["_episodes"][::2]
+    assert recs[3]["pool_played"] == [{"pool0": 1, "pool1": 2}[ep.partner_name] for ep in groups]
+    assert all(len(r["pool_played"]) == sum(r["served_by"].values()) == 3 for r in recs)

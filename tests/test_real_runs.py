@@ -304,6 +304,26 @@ def test_the_divergence_alarm_reads_the_unseen_members_and_their_noise():
     assert [a["signal"] for a in alarms] == ["divergence"]     # fell 0.4 > 2 x sqrt(2) x 0.1
 
 
+def test_checkpoint_selection_never_reads_the_unseen_members():
+    from minscope.loop import is_better
+    from minscope.runner import CHECKPOINT_SCORE, panel_means
+
+    def evaluation(seen, unseen):
+        return panel_means({"train-simulator": {"kind": "seen", "mean": seen, "se": 0.0},
+                            "gemma3-270m": {"kind": "unseen", "mean": unseen, "se": 0.0},
+                            "seen": {"kind": "group", "mean": seen, "se": 0.0},
+                            "unseen": {"kind": "group", "mean": unseen, "se": 0.0}})
+
+    first = evaluation(seen=0.5, unseen=0.1)
+    best = {"step": 0, CHECKPOINT_SCORE: first[CHECKPOINT_SCORE]}
+    # the unseen member improves a lot, the seen one falls a little: the panel mean rises, but
+    # the checkpoint kept is still the first; any change of the unseen member alone changes nothing
+    later = evaluation(seen=0.45, unseen=0.9)
+    assert later["panel_mean"] > first["panel_mean"] and not is_better(later, best, CHECKPOINT_SCORE)
+    assert all(evaluation(0.5, u)[CHECKPOINT_SCORE] == first[CHECKPOINT_SCORE] for u in (0.0, 0.3, 1.0))
+    assert is_better(evaluation(seen=0.55, unseen=0.0), best, CHECKPOINT_SCORE)
+
+
 def test_ensemble_needs_two_training_simulators_and_no_unseen_member_turns_the_divergence_alarm_off(
         tmp_path, template_models, capsys):
     model = template_models["qwen3"]
@@ -360,7 +380,14 @@ def test_a_real_run_uses_its_settings_the_monitor_reads_it_and_a_resume_keeps_bo
     train_cli.main(["--env", "p4g", "--resume", str(run), "--steps", "2"])
     assert built[-1] == first
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["pool_size"] for r in recs if r["kind"] == "train"] == [1, 2]     # K = 2, a snapshot each step
+    steps = [r for r in recs if r["kind"] == "train"]
+    assert [r["pool_size"] for r in steps] == [1, 2]     # K = 2, a snapshot each step (after it)
+    # step 1's snapshot joins after step 1 has played: the step-0 snapshot played every group, alone
+    assert [r["pool_full"] for r in steps] == [False, False]
+    assert all(r["pool_played"] == [0] * sum(r["served_by"].values()) for r in steps)
+    log = "\n".join(training_log(run))
+    assert "Population pool (K = 2): full while it played at 0 of 2 training steps (0%)." in log
+    assert "The step-0 snapshot (the untrained simulator, RL (Single)'s) played 4 of 4 groups" in log
     again = json.loads((run / "config.json").read_text())
     assert {k: again[k] for k in saved if k not in ("steps",)} == {k: saved[k] for k in saved if k != "steps"}
     assert again["monitor"]["zero_var"] == -1 and again["steps"] == 2
@@ -396,3 +423,26 @@ def test_the_realism_anchor_trains_the_persuadee_on_real_transcripts_and_its_dra
     assert json.loads((run / "config.json").read_text())["sim_anchor"] == 0.5
     state = torch.load(run / "state.pt", weights_only=False)
     assert "anchor_rng" in state          # a resumed run draws the transcripts an unbroken one would
+
+
+@pytest.mark.parametrize("every,full_from,full_steps,zeros", [(4, 17, 3, 25), (2, 9, 11, 14)])
+def test_the_report_gives_the_share_of_steps_the_pool_played_full(tmp_path, every, full_from, full_steps, zeros):
+    """K = 5 over 20 steps: a snapshot every 4 steps fills the pool for 3 steps, every 2 for 11,
+    whether the log says so (pool_full, pool_played) or a log from before says only pool_size."""
+    from collections import deque
+
+    from minscope.real_report import pool_lines
+
+    (tmp_path / "config.json").write_text(json.dumps({"pool_size": 5, "pool_every": every}))
+    pool, new, old = deque([0], maxlen=5), [], []      # the snapshot steps; the first taken at step 0
+    for step in range(20):                             # as methods.train_step logs them
+        full, played = len(pool) == 5, [pool[0], pool[-1]]     # two groups: the oldest, the newest
+        if step > 0 and step % every == 0:
+            pool.append(step)
+        old.append({"kind": "train", "step": step, "pool_size": len(pool)})
+        new.append(dict(old[-1], pool_full=full, pool_played=played))
+    for recs in (old, new):
+        line = pool_lines(recs, tmp_path)[-1]
+        assert line.startswith(f"Population pool (K = 5): full while it played at {full_steps} of 20 training "
+                               f"steps ({100 * full_steps / 20:.0f}%), from step {full_from}.")
+    assert f"The step-0 snapshot (the untrained simulator, RL (Single)'s) played {zeros} of 40 groups" in line

@@ -38,13 +38,15 @@ def test_setup_extras_pins_are_the_ones_the_error_messages_name():
     hints = (REPO / "minscope" / "models.py").read_text() + (REPO / "minscope" / "envs" / "tau2.py").read_text()
     for pin in setup_extras.NO_DEPS:
         assert f"pip install --no-deps {pin}" in hints, pin
+    for pin in setup_extras.WITH_DEPS:
+        assert f"pip install {pin}" in hints, pin
 
 
 def test_the_installed_extras_are_the_pinned_ones():
     sys.path.insert(0, str(REPO / "tests"))
     import setup_extras
     from importlib.metadata import PackageNotFoundError, version
-    for pin in setup_extras.NO_DEPS:
+    for pin in setup_extras.NO_DEPS + setup_extras.WITH_DEPS:
         name, wanted = pin.split("==")
         try:
             assert version(name) == wanted, pin

@@ -313,8 +313,9 @@ def test_verbalized_sampling_of_smollm2_counts_its_parse_failures(smol):
 # --------------------------------------------------------------------------- train.py on smollm2
 @pytest.fixture(scope="module")
 def p4g_run(tmp_path_factory):
-    """`train.py --env p4g --policy smollm2 --simulator smollm2`, 2 steps, with the state file
-    the run wrote after step 0 kept aside (what a kill during step 1 leaves behind)."""
+    """`train.py --env p4g --policy smollm2 --simulator smollm2 --panel unseen:gemma3-270m`, 2
+    steps, with the state file the run wrote after step 0 kept aside (what a kill during step 1
+    leaves behind). Gemma 3 270M (tests/test_gemma.py) is the unseen member of its panel."""
     runs = tmp_path_factory.mktemp("smollm2-runs")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MINSCOPE_CACHE", str(CACHE))
@@ -327,7 +328,7 @@ def p4g_run(tmp_path_factory):
         mp.setattr(runner, "save_state", keep_step0)
         train_cli.main(["--env", "p4g", "--data", str(P4G_CSV), "--policy", "smollm2", "--simulator", "smollm2",
                         "--method", "single", "--steps", "2", "--eval-every", "2", "--lr", "1e-3",
-                        "--runs-dir", str(runs), "--name", "p4g", *TINY])
+                        "--panel", "unseen:gemma3-270m", "--runs-dir", str(runs), "--name", "p4g", *TINY])
     return runs / "p4g"
 
 
@@ -335,7 +336,14 @@ def test_a_p4g_run_on_smollm2_keeps_streams_exact_and_trains_the_adapter(p4g_run
     steps = records(p4g_run, "train")
     assert [r["step"] for r in steps] == [0, 1] and all(r["exact_stream_frac"] == 1.0 for r in steps)
     assert all(r["rollout_s"] > 0 and r["update_s"] > 0 and 0.0 <= r["train_reward"] <= 1.0 for r in steps)
-    assert [r["step"] for r in records(p4g_run, "eval")] == [0, 2]
+    evals = records(p4g_run, "eval")
+    assert [r["step"] for r in evals] == [0, 2]
+    # the unseen Gemma member is read, and reported apart from the seen training simulator
+    assert all(0.0 <= r["gemma3-270m"] <= 1.0 and r["unseen"] == r["gemma3-270m"]
+               and r["seen"] == r["train-simulator"] for r in evals)
+    log = (p4g_run / "report.md").read_text()
+    assert "| step | train-simulator | gemma3-270m | seen mean | unseen mean | panel mean |" in log
+    assert json.loads((p4g_run / "best.json").read_text())["seen"] == max(r["seen"] for r in evals)
     config = json.loads((p4g_run / "config.json").read_text())
     assert config["policy"] == config["simulator"] == "smollm2" and config["max_turns"] == 2
     first, last = (load_file(str(p4g_run / f"policy-step{s}" / "policy" / "adapter_model.safetensors"))
