@@ -19,7 +19,7 @@ Python lists. So its logits are bit-identical to the general path's
 (tests/test_lean.py checks it, on a tiny Llama and on SmolLM2).
 
 `lean_forward(model)` returns None for anything else (other architectures, eager attention,
-merged or non-vanilla LoRA, LoRA dropout, forward hooks on any module, a model on a GPU,
+merged or non-vanilla LoRA, LoRA dropout, 4-bit layers, forward hooks on any module, a model on a GPU,
 rope scaling...): those keep the general path.
 """
 
@@ -58,6 +58,8 @@ def lean_forward(model):
     if (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
             or any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())):
         return None       # someone watches or changes a module's output: the general path calls them
+    if any(isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear for m in base.modules()):
+        return None       # a quantized layer (bitsandbytes' Linear4bit packs its weight): its own forward
     linears = [m for m in base.modules() if isinstance(m, LoraLinear)]
     for m in linears:
         if m.merged or m.lora_variant or any(not isinstance(d, torch.nn.Identity) for d in m.lora_dropout.values()):

@@ -6,6 +6,8 @@ float32, and Population Co-Training trains the pool's LoRA adapters on that one 
 Kept small: 1 group of 2, 2 turns of 4 tokens, 2 steps. P4G's parsed reward is 0 for nearly every
 4-token dialogue, so the test scores episodes 1, 0, 1, 0, ... in the order they end: every
 group then has a spread, and both updates run (the machinery is tested, not learning).
+--no-grad-checkpointing keeps the rollout on the decode path that once sent a 4-bit layer's
+packed weight to F.linear (minscope/lean.py now leaves quantized models to their own forward).
 """
 import json
 
@@ -37,7 +39,7 @@ def test_a_4bit_simulator_population_trains_two_steps_of_smollm2_on_the_cpu(tmp_
     train_cli.main(["--env", "p4g", "--data", str(P4G_CSV), "--policy", "smollm2", "--simulator", "smollm2",
                     "--method", "population", "--simulator-4bit", "--device", "cpu", "--steps", "2",
                     "--groups", "1", "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "4",
-                    "--micro-batch", "2", "--eval-every", "2", "--lr", "1e-3", "--sim-lr", "1e-3",
+                    "--micro-batch", "2", "--no-grad-checkpointing", "--eval-every", "2", "--lr", "1e-3", "--sim-lr", "1e-3",
                     "--runs-dir", str(tmp_path), "--name", "run"])
     assert "device cpu · policy fp32 + LoRA · simulators NF4" in capsys.readouterr().out
     (models, method), = built
