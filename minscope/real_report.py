@@ -97,7 +97,9 @@ def _mean(xs) -> float:
 READINGS = ("readout_decision", "readout_asked", "reward_parsed", "reward_sampled", "readout_coverage")
 # what an evaluation during training logs of them (P4GEnv.readings); the unseen members' as "unseen_" + key
 EVAL_READINGS = ("readout_decision", "readout_asked", "reward_parsed", "reward_sampled", "decision_read",
-                 "readout_coverage", "readout_asked_coverage")
+                 "readout_coverage", "readout_asked_coverage", "refusal_share", "refusal_share_sampled")
+# logged beside them, not tabled: the amounts given a readable answer (diagnostics, readout.py)
+EVAL_DIAGNOSTICS = ("readout_decision_conditional", "readout_asked_conditional")
 
 
 def p4g_summary(episodes) -> dict:
@@ -336,7 +338,8 @@ def training_log(run_dir: Path) -> list[str]:
         skip = {"kind", "step", "split", "tasks", "panel_mean", "seen", "unseen", "eval_temperature", "eval_s",
                 "seen_se", "unseen_se", "dialogues", "probe"}
         readings = [k for k in EVAL_READINGS if any(k in r for r in evals)]
-        names = [k for k in evals[0] if k not in skip and k.removeprefix("unseen_") not in EVAL_READINGS]
+        names = [k for k in evals[0] if k not in skip
+                 and k.removeprefix("unseen_") not in EVAL_READINGS + EVAL_DIAGNOSTICS]
         groups = [k for k in ("seen", "unseen") if k in evals[0]]
         n = evals[0].get("tasks")
         which = f"the first {n} {evals[0].get('split', 'test')} tasks" if n else f"{evals[0].get('split', 'test')} tasks"

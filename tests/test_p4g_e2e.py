@@ -398,6 +398,10 @@ def test_a_run_with_the_expected_reward_logs_every_reading(tmp_path, model_dirs,
         for member in rec["probe"].values():
             assert set(member) == set(PROBE_MESSAGES) and all(0 <= v <= 2 for v in member.values())
     assert "The trained persuadee on the probe set" in (run_dir / "report.md").read_text()
+    # the evaluations' table has a column per panel member, never one per reading (before: the
+    # conditional amounts and the refusal shares were drawn as if they were members)
+    header = next(ln for ln in (run_dir / "report.md").read_text().splitlines() if ln.startswith("| step | train-"))
+    assert not any(k in header for k in ("conditional", "refusal", "readout_"))
     res = evaluate_run(run_dir, episodes=1, max_tasks=2)          # eval.py: the same readings per member
     for member in res["members"].values():
         assert set(member["summary"]["readings"]) == readings
