@@ -62,18 +62,17 @@ def test_a_failed_first_attempt_does_not_block_the_same_command(tmp_path, templa
     cmd = numbers_run(tmp_path, template_models["qwen3"], "--steps", "1", "--eval-every", "1")
     real_build = minscope.runner.build_real_method
 
-    def out_of_memory(*a, **k):
-        raise torch.OutOfMemoryError("CUDA out of memory (simulated, at model load)")
-    monkeypatch.setattr(minscope.runner, "build_real_method", out_of_memory)
+    def oom(where):
+        def raise_oom(*a, **k):
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated, {where})")
+        return raise_oom
+    monkeypatch.setattr(minscope.runner, "build_real_method", oom("at model load"))
     with pytest.raises(torch.OutOfMemoryError):
         train_cli.main(cmd)
     assert not (tmp_path / "run" / "config.json").exists()       # nothing written before the models load
     monkeypatch.setattr(minscope.runner, "build_real_method", real_build)
     real_step = minscope.runner.train_step
-
-    def oom_at_step_0(*a, **k):
-        raise torch.OutOfMemoryError("CUDA out of memory (simulated, at step 0)")
-    monkeypatch.setattr(minscope.runner, "train_step", oom_at_step_0)
+    monkeypatch.setattr(minscope.runner, "train_step", oom("at step 0"))
     with pytest.raises(torch.OutOfMemoryError):
         train_cli.main(cmd)
     assert (tmp_path / "run" / "config.json").exists() and not (tmp_path / "run" / "state.pt").exists()
