@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -106,6 +107,7 @@ def main():
     d.add_argument("b", type=Path)
     d.add_argument("--ignore", default="", help="comma-separated top-level record fields not compared")
     args = p.parse_args()
+    print("command: " + shlex.join(["python", "bench/compare_runs.py", *sys.argv[1:]]), flush=True)
     if args.cmd == "run":
         run(args.out, args.cache_dir, args.workers, args.methods.split(","), [a for a in args.ablations.split(",") if a])
     else:

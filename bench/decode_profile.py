@@ -28,6 +28,7 @@ Figures, not assertions: the machine's load moves them; read the ratios.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -110,6 +111,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--paths", default="general,lean", help="forward paths, comma-separated: general,lean (both, the default) or one")
     args = p.parse_args(argv)
+    print("command: " + shlex.join(["python", "bench/decode_profile.py", *(sys.argv[1:] if argv is None else argv)]),
+          flush=True)
 
     from minscope import rollout
     from minscope.models import add_adapters, load_model, quiet

@@ -71,7 +71,7 @@ step() {   # step KEY NAME FILE CAP_SECONDS COMMAND...: run within min(CAP, time
     case "$steps" in *",$key,"*) ;; *) return ;; esac
     local left=$(( deadline - $(date +%s) ))
     [ "$left" -lt "$cap" ] && cap=$left
-    echo "== $name (at most ${cap} s)"
+    echo "== $name (at most ${cap} s): $*"
     if [ "$cap" -le 5 ]; then
         echo "!! $name skipped: the time budget is spent" | tee "$out/$file"
         [ "$status" -eq 0 ] && status=124

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -97,6 +98,8 @@ def main(argv=None) -> int:
         print(line(rec), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(records, indent=2) + "\n")
+    print("command: " + shlex.join(["python", "bench/laptop.py", *(sys.argv[1:] if argv is None else argv)]),
+          flush=True)
     return 1 if any("error" in r for r in records) else 0
 
 

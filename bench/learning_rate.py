@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -65,6 +66,8 @@ def main(argv=None):
     p.add_argument("--broken", choices=("sign", "mask"), help="break the update on purpose (see above)")
     p.add_argument("--out", help="write the rows here (JSON)")
     args = p.parse_args(argv)
+    print("command: " + shlex.join(["python", "bench/learning_rate.py", *(sys.argv[1:] if argv is None else argv)]),
+          flush=True)
     if args.broken:
         break_update(args.broken)
     quiet()

@@ -67,6 +67,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -473,6 +474,8 @@ def main(argv=None):
         return run_reference_worker(args)
     if args.worker:
         return run_worker(args)
+    print("command: " + shlex.join(["python", "bench/logprobs.py", *(sys.argv[1:] if argv is None else argv)]),
+          flush=True)
 
     results = []
     args.peers = peer_versions()

@@ -79,6 +79,7 @@ import contextlib
 import gc
 import json
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -546,6 +547,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         return run_worker(args)
+    print("command: " + shlex.join(["python", "bench/memory.py", *(sys.argv[1:] if argv is None else argv)]),
+          flush=True)
     cuda = args.device == "cuda"
     print(f"One Population Co-Training training step on {args.device}: {args.tasks} tasks x G={args.group_size} "
           f"episodes of up to {args.episode_tokens} tokens, policy + simulator + {args.pool_size} pool "

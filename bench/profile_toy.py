@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -294,6 +295,7 @@ def main():
                    "eval_every=25,meter_every=50,pool_measure_every=8")
     p.add_argument("--raw", action="store_true", help="print every phase path's measured seconds")
     args = p.parse_args()
+    print("command: " + shlex.join(["python", "bench/profile_toy.py", *sys.argv[1:]]), flush=True)
     torch.set_num_threads(1)
     run_build(args) if args.build else run_arms(args)
 

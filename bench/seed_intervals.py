@@ -13,6 +13,7 @@ rounded to 3 decimals, so the intervals can differ from a run's own report in th
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     path, heading = a.path, a.heading
     rows = read_table(path, heading)
+    print("command: " + shlex.join(["python", "bench/seed_intervals.py", *(sys.argv[1:] if argv is None else argv)]),
+          flush=True)
     print(f"{path}, table after '{heading}': 95% t-intervals over seeds (n - 1 df)\n")
     print("| method | n | mean (95% t over seeds) |\n|---|---|---|")
     for name, vals in rows.items():

@@ -64,6 +64,7 @@ import contextlib
 import json
 import random
 import resource
+import shlex
 import statistics
 import sys
 import tempfile
@@ -528,6 +529,7 @@ def sharing_lines(rows) -> list[str]:
 def main(argv=None):
     args = parse_args(argv)
     torch.set_grad_enabled(True)
+    print("command: " + shlex.join(["python", "bench/step.py", *(sys.argv[1:] if argv is None else argv)]), flush=True)
     rows = []
     for shape in args.shapes or [args.model]:
         model, tokenizer = build_real(shape, args) if args.model else build(shape, args)

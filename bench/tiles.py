@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -136,6 +137,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this sweep is for GPUs (see --device cpu with TRITON_INTERPRET=1)")
+    print("command: " + shlex.join(["python", "bench/tiles.py", *(sys.argv[1:] if argv is None else argv)]), flush=True)
     res = sweep(args)
     print(report(res))
     if args.json:

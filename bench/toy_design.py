@@ -24,6 +24,7 @@ so it is an upper bound on how easily an LM can learn the adaptive strategy.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -181,6 +182,7 @@ def main():
                     help="start from the LM policy base's act distribution, e.g. 0.6,0.5 (default: uniform)")
     ap.add_argument("--arms", default="single,vs,oracle,ensemble")
     args = ap.parse_args()
+    print("command: " + shlex.join(["python", "bench/toy_design.py", *sys.argv[1:]]), flush=True)
     skill, asks = (None, 0.5) if args.base is None else map(float, args.base.split(","))
     cfg = Config(steps=args.steps, seeds=args.seeds, lr=args.lr, groups_per_persona=args.groups,
                  skill=skill, asks=asks)

@@ -1,4 +1,4 @@
-"""bench/attention.py on small batches: both attention implementations, the same SFT loss."""
+"""bench/studies/attention.py on small batches: both attention implementations, the same SFT loss."""
 import importlib.util
 from pathlib import Path
 
@@ -6,7 +6,7 @@ from minscope.envs.toy import ToyEnv
 from minscope.models import build_tiny_model
 from minscope.toy_models import toy_tokenizer
 
-PATH = Path(__file__).resolve().parents[1] / "bench" / "attention.py"
+PATH = Path(__file__).resolve().parents[1] / "bench" / "studies" / "attention.py"
 spec = importlib.util.spec_from_file_location("bench_attention", PATH)
 attention = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(attention)

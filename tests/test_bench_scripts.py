@@ -1,5 +1,5 @@
-"""Every bench script starts as the README and bench/gpu.sh call it: `python bench/X.py`,
-from any folder, with no install and no PYTHONPATH."""
+"""Every bench script starts as the README and bench/gpu.sh call it: `python bench/X.py` (a study:
+`python bench/studies/X.py`), from any folder, with no install and no PYTHONPATH."""
 import os
 import subprocess
 import sys
@@ -10,7 +10,10 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
+SCRIPTS = sorted(str(p.relative_to(BENCH)) for p in [*BENCH.glob("*.py"), *BENCH.glob("studies/*.py")])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_bench_script_runs_from_anywhere_without_pythonpath(script, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run([sys.executable, str(BENCH / script), "--help"], env=env, cwd=tmp_path,
@@ -65,10 +68,24 @@ def test_logprob_benchmark_runs_new_path_and_reports_missing_peers(tmp_path):
 
 
 def test_every_bench_script_has_a_line_in_bench_readme():
-    """bench/README.md says, per script, what it measures and how long it takes: a new script
-    without its line there fails here."""
+    """bench/README.md says, per script, what it measures and how long it takes (a study: what it
+    measured): a new script without its line there fails here."""
     rows = [line for line in (BENCH / "README.md").read_text().splitlines() if line.startswith("| `")]
     listed = {line.split("`")[1] for line in rows}
-    scripts = {p.name for p in BENCH.glob("*.py")} | {p.name for p in BENCH.glob("*.sh")}
+    scripts = {str(p.relative_to(BENCH)) for pattern in ("*.py", "*.sh", "studies/*.py", "studies/*.sh")
+               for p in BENCH.glob(pattern)}
     assert scripts - listed == set(), "add a line to bench/README.md for each"
     assert listed - scripts == set(), "bench/README.md lists scripts that no longer exist"
+
+
+def test_bench_keeps_at_most_twelve_top_level_scripts():
+    """bench/ holds the benchmarks a user runs; one-off studies live in bench/studies/."""
+    top = [p.name for pattern in ("*.py", "*.sh") for p in BENCH.glob(pattern)]
+    assert len(top) <= 12, f"bench/ has {len(top)} scripts: move the one-off studies to bench/studies/"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
+def test_every_top_level_benchmark_prints_the_command_behind_its_figures(script):
+    """Each benchmark's output starts (or, for laptop.py, ends) with `command: python bench/X.py ...`,
+    so that figures pasted from it say how to reproduce them."""
+    assert f'"python", "bench/{script}"' in (BENCH / script).read_text()

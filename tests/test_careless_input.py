@@ -151,7 +151,7 @@ def _any_text():
 
 
 def test_any_text_makes_a_whole_valid_utf8_report_html(tmp_path):
-    """bench/fuzz_parsers.py's idea for the report writer: any str (lone surrogates, markdown
+    """bench/studies/fuzz_parsers.py's idea for the report writer: any str (lone surrogates, markdown
     and HTML syntax included) in the title, the markdown and the dialogues gives a complete
     page that decodes as UTF-8, and no temporary file is left beside it."""
     from hypothesis import HealthCheck, given, settings

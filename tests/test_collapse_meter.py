@@ -1,5 +1,5 @@
 """The closed-loop collapse meter (Eq. 6) on cases whose split is known exactly: the cases
-of bench/collapse_meter_cases.py, scripted agents and users, exact values enumerated.
+of bench/studies/collapse_meter_cases.py, scripted agents and users, exact values enumerated.
 
 Tolerances: the standard deviations of the estimates over 12 seeds of the settings below
 (4 tasks x 100 noise seeds x 8 episodes) were at most 0.0022 (xor), 0.0032 / 0.0013
@@ -15,7 +15,7 @@ from minscope.envs.base import Episode, turn_noise
 from minscope.evaluate import collapse_meter, open_loop_meter
 
 _spec = importlib.util.spec_from_file_location(
-    "collapse_meter_cases", Path(__file__).resolve().parents[1] / "bench" / "collapse_meter_cases.py")
+    "collapse_meter_cases", Path(__file__).resolve().parents[1] / "bench" / "studies" / "collapse_meter_cases.py")
 cases_module = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cases_module)
 

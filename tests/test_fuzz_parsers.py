@@ -1,13 +1,13 @@
-"""bench/fuzz_parsers.py with a small count: no parser raises, returns the wrong type or
+"""bench/studies/fuzz_parsers.py with a small count: no parser raises, returns the wrong type or
 runs over its time limit, on fuzzed inputs or on long adversarial ones. Started as the
-README calls it, `python bench/fuzz_parsers.py`, from another folder."""
+README calls it, `python bench/studies/fuzz_parsers.py`, from another folder."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "fuzz_parsers.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "studies" / "fuzz_parsers.py"
 
 
 def test_fuzz_script_finds_no_exception_and_no_slow_input(tmp_path):

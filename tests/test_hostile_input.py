@@ -462,7 +462,7 @@ def test_python_m_minscope_serve_runs_the_imported_module(monkeypatch):
     """`python -m minscope.serve` executes serve.py as `__main__`, a second copy of the module,
     whose RequestError is not the one serve_app catches (a prompt past the context came back
     as a 500 from the command). The command runs the imported module's main instead.
-    (bench/hostile_serving.py runs the command itself.)"""
+    (bench/studies/hostile_serving.py runs the command itself.)"""
     import runpy
 
     import minscope.serve as serve

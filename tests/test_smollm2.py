@@ -293,7 +293,7 @@ def test_the_lean_decode_loop_gives_smollm2_the_general_paths_episodes_bit_for_b
 def test_verbalized_sampling_of_smollm2_counts_its_parse_failures(smol):
     """SmolLM2 asked for 5 candidates with probabilities (a 2-turn conversation, short answers):
     whatever it writes, every request ends as a draw or a fallback and every failed parse is a
-    retry or a fallback. The rates it gets with room to answer: bench/vs_rates.py."""
+    retry or a fallback. The rates it gets with room to answer: bench/studies/vs_rates.py."""
     model, tok = smol
 
     class Ask(Talk):

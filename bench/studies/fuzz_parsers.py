@@ -19,8 +19,8 @@ Then it times long adversarial inputs (one token repeated, e.g. `<tool_call>` or
 the growth from the small to the large size (about 4 when time is linear in the length,
 16 when it is quadratic).
 
-    python bench/fuzz_parsers.py                     # 20,000 inputs per parser, long inputs up to 1 MB
-    python bench/fuzz_parsers.py --count 300 --long-kb 64   # quick check (the test suite runs this)
+    python bench/studies/fuzz_parsers.py             # 20,000 inputs per parser, long inputs up to 1 MB
+    python bench/studies/fuzz_parsers.py --count 300 --long-kb 64  # quick check (the test suite runs this)
 
 Exit status 1 when any parser raised, returned the wrong type or ran over the time limit
 (on a fuzzed or a long input).
@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from minscope.envs.p4g_parse import parse_donation  # noqa: E402

@@ -9,7 +9,7 @@ fallbacks), on the first --tasks training personas. It prints how many persuadee
 `[DONATE $N]` tag or any amount the parser reads, every such turn with the amount read, and
 two episodes in which nothing was stated.
 
-    python bench/p4g_persuadee.py runs/p4g-single --tasks 8 --episodes 2
+    python bench/studies/p4g_persuadee.py runs/p4g-single --tasks 8 --episodes 2
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 

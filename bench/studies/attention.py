@@ -7,8 +7,8 @@ tokens: the system prompt, the VS instruction and a JSON answer of five candidat
 only sim-a-vs is trained on. Random weights (timing does not depend on them), one thread,
 as in the toy's worker processes. Also prints the loss of both, which must agree.
 
-    python bench/attention.py               # about a minute
-    python bench/attention.py --steps 20
+    python bench/studies/attention.py       # about a minute
+    python bench/studies/attention.py --steps 20
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/attention.py
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/studies/attention.py
 from minscope.envs.toy import ToyEnv  # noqa: E402
 from minscope.envs.toy_world import World  # noqa: E402
 from minscope.models import build_tiny_model  # noqa: E402

@@ -2,7 +2,7 @@
 training readout) beside the readings the policy never trained on (the held-out readout and
 the parsed reward), one panel per reading, one line per run.
 
-    python bench/plot_readings.py runs/p4g-expected-s0 runs/p4g-expected-s1 --out docs/img/p4g_expected.png
+    python bench/studies/plot_readings.py runs/p4g-expected-s0 runs/p4g-expected-s1 --out docs/img/p4g_expected.png
 """
 
 from __future__ import annotations

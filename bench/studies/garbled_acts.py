@@ -1,6 +1,6 @@
 """How the training simulator and the real users answer a garbled act.
 
-    python bench/garbled_acts.py [--cache-dir .cache/minscope] [--n 64]
+    python bench/studies/garbled_acts.py [--cache-dir .cache/minscope] [--n 64]
 
 RL (Single)'s policy ends up prefixing its asks with stray tokens ("Answould you give 1
 dollar?", from its last evaluations' transcripts). The real users match acts exactly, so such
@@ -16,7 +16,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Population Co-Training's configuration search in the toy, on seeds of its own.
 
-    python bench/cotrain_search.py [--seeds 100,101,102] [--variants "V;V;..."] [--out runs/search]
+    python bench/studies/cotrain_search.py [--seeds 100,101,102] [--variants "V;V;..."] [--out runs/search]
 
 Each variant is an arm name as train.py's ablations spell it (METHOD[:TWEAK+TWEAK]), with
 optional ToyConfig settings after "@" (e.g. "population@sim_beta=0,sim_weight_decay=0,sim_epochs=2":
@@ -20,7 +20,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from minscope import experiment, report  # noqa: E402
 from minscope.files import read_jsonl  # noqa: E402

@@ -11,8 +11,8 @@ and the share of replies that stated an amount. A reward a policy can learn from
 with what the message asks, and a persuadee worth training against should answer
 differently for different people.
 
-    python bench/p4g_readout.py --data PATH/TO/p4g --personas 8
-    python bench/p4g_readout.py --data PATH --adapter runs/RUN/simulator-step20    # a trained persuadee
+    python bench/studies/p4g_readout.py --data PATH/TO/p4g --personas 8
+    python bench/studies/p4g_readout.py --data PATH --adapter runs/RUN/simulator-step20    # a trained persuadee
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 MESSAGES = {

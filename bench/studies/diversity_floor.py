@@ -2,7 +2,7 @@
 users, two generators) profiled with n sampled replies each, read by `pool_diversity`. The
 raw pairwise TV is all sampling noise; the excess above the floor should be ~0.
 
-    python bench/diversity_floor.py [--replies 32] [--pairs 8] [--gammas 1,2,4,8]
+    python bench/studies/diversity_floor.py [--replies 32] [--pairs 8] [--gammas 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 

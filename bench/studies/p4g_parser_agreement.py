@@ -13,7 +13,7 @@ annotated subset) lies next to the data, the parser is also compared with the in
 donation annotators read from each dialogue (B5), and B5 with B6, which shows how much of
 the gap to B6 is people rather than the parser.
 
-    python bench/p4g_parser_agreement.py --data PATH   # CSV release or ConvoKit corpus folder
+    python bench/studies/p4g_parser_agreement.py --data PATH   # CSV release or ConvoKit corpus folder
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from minscope.envs.base import Episode, Turn  # noqa: E402

@@ -1,8 +1,8 @@
 """Benchmark: `python -m minscope.serve` and the served client against hostile peers, with
 figures, for the cases too slow or too large for a test (the trickling server and the gzip bomb among them).
 
-    python bench/hostile_serving.py                      this checkout
-    python bench/hostile_serving.py --repo ../main       another checkout (before/after)
+    python bench/studies/hostile_serving.py                      this checkout
+    python bench/studies/hostile_serving.py --repo ../main       another checkout (before/after)
 
 The minscope of --repo is imported here and runs the server (a subprocess, 127.0.0.1). The
 model is a tiny random Qwen3 with a 1,024-token context (CPU). Measured:
@@ -37,7 +37,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parents[2]
 
 
 def parse_args(argv=None):

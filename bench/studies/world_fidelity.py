@@ -4,7 +4,7 @@ checks it, the exploit's value inside it at temperature 1/gamma and its TV to th
 with 64 episodes (the gate's) and 256 (less noise). No arm runs: a world's model settings are
 chosen on the models alone (docs/RESULTS.md).
 
-    python bench/world_fidelity.py --world distortion '{"sim_a_steps": 3000}' \\
+    python bench/studies/world_fidelity.py --world distortion '{"sim_a_steps": 3000}' \\
         '{"sim_a_steps": 3000, "transcripts": 6000}'
 
 Each argument is a JSON object of ToyModelConfig fields over the defaults (`{}`: the defaults).
@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 

@@ -2,7 +2,7 @@
 (`evaluate.collapse_meter`) and the older open-loop one (`evaluate.open_loop_meter`) side by
 side, against the exact values.
 
-    python bench/collapse_meter_cases.py [--refs 200] [--resamples 8] [--seed 0]
+    python bench/studies/collapse_meter_cases.py [--refs 200] [--resamples 8] [--seed 0]
 
 Cases (tests/test_collapse_meter.py checks the same ones):
   echo            the simulator tosses a coin, the agent repeats it; R = 1 when they match.
@@ -24,7 +24,7 @@ import time
 from itertools import product
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 

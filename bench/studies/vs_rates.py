@@ -6,7 +6,7 @@ attempts, then the raw text as the reply); the persuader is the same model. Prin
 counters of `verbalized.VSStats` and one example answer. The paper reports that small models
 cannot verbalize; this measures it rather than tuning the prompt.
 
-    python bench/vs_rates.py --model smollm2            # SmolLM2-135M-Instruct, 8 episodes
+    python bench/studies/vs_rates.py --model smollm2    # SmolLM2-135M-Instruct, 8 episodes
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from minscope.envs.p4g import P4GEnv  # noqa: E402
 from minscope.models import load_model, quiet  # noqa: E402

@@ -2,10 +2,10 @@
 # Does requirements.txt resolve from the package index alone on Linux, macOS and Windows?
 # Resolves (does not install) for each platform with uv's cross-platform resolver, Python 3.11,
 # wheels only, ignoring any pip configuration or local wheel folder on this machine.
-#   bash bench/resolve_install.sh [requirements files...]   (default: requirements.txt)
+#   bash bench/studies/resolve_install.sh [requirements files...]   (default: requirements.txt)
 # Needs `uv` (pip install uv; a checking tool, not a dependency of minscope). Exit 1 if any fails.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 reqs=("${@:-requirements.txt}")
 uv=${UV:-uv}
 fail=0
