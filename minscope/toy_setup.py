@@ -46,7 +46,7 @@ class ToyConfig:
     seeds: tuple = (0, 1, 2)
     # Co-Training variants (see Toy.method), run for `ablation_seeds` only; none by default (the
     # headline does not need them, and the 3-seed comparison of the variants is
-    # bench/cotrain_search.py): e.g. ("cotrain:curriculum", "population:curriculum", "population:hardest")
+    # bench/studies/cotrain_search.py): e.g. ("cotrain:curriculum", "population:curriculum", "population:hardest")
     ablations: tuple = ()
     ablation_seeds: tuple = (0,)
     steps: int = 50                       # policy updates per arm
@@ -61,7 +61,7 @@ class ToyConfig:
     beta: float = 0.04                    # KL to the untrained policy: keeps utterances well-formed
     epochs: int = 2
     # the trained simulator's reward: the paper's for P4G, which the toy stands in for (the
-    # best of four Population variants on the search seeds 100-102: bench/cotrain_search.py,
+    # best of four Population variants on the search seeds 100-102: bench/studies/cotrain_search.py,
     # docs/ARCHIVE.md "Population Co-Training: the search")
     sim_reward: str = "adversarial"
     # The trained simulator's optimiser (Co-Training, Population Co-Training): the paper's, which
