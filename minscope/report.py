@@ -582,7 +582,7 @@ def write_report(run_dir, reference: dict, extra_md: str = "") -> dict:
                       f"gamma={a['gamma']:g}-sharpened users, sampled at temperature 1): the exploit is worth "
                       f"**{a['exploit_lm']:.3f}** inside it (exact: {a['exploit_exact']:.3f}); mean TV to the sharpened "
                       f"users at the same histories **{a['tv']:.3f}** (sampling noise alone: {a['tv_floor']:.3f}).", ""]
-        from .toy_models import fidelity_problems   # (torch only when there is a toy run to report)
+        from .toy_fidelity import fidelity_problems   # (torch only when there is a toy run to report)
 
         problems = fidelity_problems(f)
         if problems:

@@ -17,7 +17,7 @@
                    comparison fair: both are sim-a's world, sharpened the same way.)
 
 How well a simulator is learned matters more than anything else here (sharpening by
-gamma = 8 magnifies every error in the order of its replies): `fidelity()` measures the
+gamma = 8 magnifies every error in the order of its replies): `toy_fidelity.fidelity()` measures the
 total variation between a simulator and its world at the histories that decide the
 exploit, and the exploit's value inside the sharpened simulator against the exact one.
 
@@ -51,8 +51,7 @@ from .envs.toy import ACT_KEYS, ACTS, BLAND, REPLIES, ToyEnv, World, canonical_r
 from .models import build_tiny_model, build_tokenizer
 from .precision import to_float64
 from .sft import sft
-from .toy_fidelity import (MAX_VS_TV, MIN_EXPLOIT_SHARE, aligned_fidelity, fidelity,  # noqa: F401 (its API)
-                           fidelity_gate, fidelity_problems, sampling_tv_floor)
+from .toy_fidelity import fidelity_gate
 from .verbalized import Candidate, format_candidates, vs_instruction
 
 # name -> (panel kind, World overrides). Members differ in their *modes*, not just seeds:
