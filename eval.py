@@ -59,7 +59,8 @@ def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) ->
     from minscope.evaluate import collapse_meter, evaluate_panel
     from minscope.files import load_state
     from minscope.models import load_adapter_state
-    from minscope.report import fmt, label
+    from minscope.report_results import label
+    from minscope.report_tables import fmt
 
     toy = experiment.Toy(cfg, cache_dir, progress=False)
     # the new results are written beside eval.jsonl and replace it at the end: a crash or

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from minscope import experiment, report
+from minscope import experiment, report, report_results
 from minscope.runfolder import format_fields
 from minscope.toy_models import ToyModelConfig
 
@@ -227,7 +227,7 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
     assert "## Pool diversity" in md and "## Collapse monitor" in md
     assert (run_dir / "pool_diversity.png").stat().st_size > 1000
     assert "aligned" in json.loads((run_dir / "fidelity.json").read_text())
-    check_report_html(run_dir / "report.html", [report.label(m) for m, _ in cfg.arms()])
+    check_report_html(run_dir / "report.html", [report_results.label(m) for m, _ in cfg.arms()])
     page = (run_dir / "report.html").read_text()
     single = page.split("RL (Single), seed 0, step 4")[1].split("<h3>")[0]     # the last evaluation's dialogues
     assert "with the real users" in single and "with its training simulator sim-a" in single
