@@ -167,7 +167,6 @@ def table_row(r) -> str:
             f"{_arrow(r['zero_variance'])} | {r['top_sequence'].replace(' | ', ', ')} |")
 
 
-
 def seed_table_md(results) -> list[str]:
     """The per-arm table and the paired comparisons, for RESULTS.md."""
     main = [r for m, r in results["methods"].items() if ":" not in m]
