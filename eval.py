@@ -12,7 +12,7 @@ reproduces a logged evaluation exactly); the results go to `eval.jsonl` and a se
 simulator) to `eval.jsonl`.
 
 Real-model runs (train.py --env p4g / tau2) are rebuilt from their config.json; the saved
-policy adapter plays the test tasks against the run's panel (see minscope/real_report.py):
+policy adapter plays the test tasks against the run's panel (see minscope/real_eval.py):
 
     python eval.py runs/p4g-vs --episodes 4                  P4G: reward, donations, transcripts
     python eval.py runs/tau2-single --trials 4               tau2: success per domain, pass^1..4
