@@ -14,7 +14,8 @@ import torch
 from .envs.base import Episode, Turn
 from .envs.toy import ToyEnv, World, sharpened, total_variation
 from .simulators import Frozen, Verbalized
-from .verbalized import draw, parse_candidates
+from .verbalized import draw
+from .verbalized_parse import parse_candidates
 
 
 def fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: int = 0,

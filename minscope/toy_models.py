@@ -52,7 +52,8 @@ from .models import build_tiny_model, build_tokenizer
 from .precision import to_float64
 from .sft import sft
 from .toy_fidelity import fidelity_gate
-from .verbalized import Candidate, format_candidates, vs_instruction
+from .verbalized import format_candidates, vs_instruction
+from .verbalized_parse import Candidate
 
 # name -> (panel kind, World overrides). Members differ in their *modes*, not just seeds:
 # an ensemble of copies of one model shares its mode and its exploit.
