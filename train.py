@@ -162,7 +162,7 @@ def build_parser():
     g_toy.add_argument("--world", choices=("suppression", "distortion"), help="the real users' world "
                        "(default suppression: gamma-sharpening makes the upsell pay AND deletes the cues a "
                        "probe reveals; distortion: it makes the upsell pay and suppresses nothing; "
-                       "minscope/envs/toy.py WORLDS). A new world trains its own tiny models on first use")
+                       "minscope/envs/toy_world.py WORLDS). A new world trains its own tiny models on first use")
     g_grpo.add_argument("--steps", type=whole(0), help=f"policy updates (toy: per arm, default {toy.steps}, --quick "
                         f"{quick.steps}; real env default 250, hours on a CPU even with smollm2: try --steps 4 first; "
                         "--resume RUN --steps N extends a real run)")

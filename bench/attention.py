@@ -23,7 +23,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/attention.py
-from minscope.envs.toy import ToyEnv, World  # noqa: E402
+from minscope.envs.toy import ToyEnv  # noqa: E402
+from minscope.envs.toy_world import World  # noqa: E402
 from minscope.models import build_tiny_model  # noqa: E402
 from minscope.sft import encode_chat, nll, pad_batch  # noqa: E402
 from minscope.toy_models import ToyModelConfig, toy_tokenizer, vs_conversations  # noqa: E402

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from minscope.envs.base import Step, Turn, turn_noise  # noqa: E402
-from minscope.envs.toy import RealUsers, ScriptedPersuader, ToyEnv, World  # noqa: E402
+from minscope.envs.toy import RealUsers, ScriptedPersuader, ToyEnv  # noqa: E402
+from minscope.envs.toy_world import World  # noqa: E402
 from minscope.evaluate import collapse_meter, open_loop_meter  # noqa: E402
 
 

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from minscope.diversity import member_profile, pool_diversity  # noqa: E402
-from minscope.envs.toy import SharpenedUsers, World  # noqa: E402
+from minscope.envs.toy import SharpenedUsers  # noqa: E402
+from minscope.envs.toy_world import World  # noqa: E402
 
 
 def main(argv=None):

@@ -4,7 +4,7 @@ Model output is arbitrary text (early RL policies and small simulators write any
 every generation goes through one of these parsers during a rollout:
 
   toolcalls     minscope.toolcalls.parse_tool_calls       (tau2 agent turns)
-  donation      minscope.envs.p4g.parse_donation          (P4G persuadee turns)
+  donation      minscope.envs.p4g_parse.parse_donation    (P4G persuadee turns)
   vs            minscope.verbalized_parse.parse_candidates (Verbalized Sampling answers)
   vs_fallback   minscope.verbalized.fallback              (when a VS answer cannot be read)
 
@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from minscope.envs.p4g import parse_donation  # noqa: E402
+from minscope.envs.p4g_parse import parse_donation  # noqa: E402
 from minscope.toolcalls import ParsedTurn, format_tool_call, parse_tool_calls  # noqa: E402
 from minscope.verbalized import fallback, format_candidates  # noqa: E402
 from minscope.verbalized_parse import Candidate, parse_candidates  # noqa: E402

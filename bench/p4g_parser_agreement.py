@@ -1,7 +1,7 @@
 """How often does parse_donation read, from a persuadee's messages, the donation they made?
 
 For every human Persuasion for Good dialogue, the persuadee's messages are read with
-`minscope.envs.p4g.episode_donation` (the same call the environment's reward uses: the
+`minscope.envs.p4g_parse.episode_donation` (the same call the environment's reward uses: the
 persuadee's sentences that echo the persuader's messages are dropped, the rest is joined and
 read by `parse_donation`),
 then compared with the donation the persuadee actually made after the chat (B6 of the
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from minscope.envs.base import Episode, Turn  # noqa: E402
-from minscope.envs.p4g import MAX_DONATION, episode_donation, parse_donation  # noqa: E402
+from minscope.envs.p4g_parse import MAX_DONATION, episode_donation, parse_donation  # noqa: E402
 from minscope.envs.p4g_data import DataError, P4GDataNotFound, load_p4g  # noqa: E402
 
 

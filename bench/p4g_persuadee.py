@@ -33,7 +33,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    from minscope.envs.p4g import _TAG, parse_donation
+    from minscope.envs.p4g_parse import _TAG, parse_donation
     from minscope.evaluate import evaluate_panel
     from minscope.files import read_json
     from minscope.models import load_adapter, quiet

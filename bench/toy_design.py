@@ -33,7 +33,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/toy_design.py
-from minscope.envs.toy import ACT_KEYS, ACTS, BLAND, PERSONAS, World, canonical_reply, sharpened  # noqa: E402
+from minscope.envs.toy_words import ACT_KEYS, ACTS, BLAND, PERSONAS, canonical_reply  # noqa: E402
+from minscope.envs.toy_world import World, sharpened  # noqa: E402
 from minscope.toy_models import ToyModelConfig  # noqa: E402
 
 

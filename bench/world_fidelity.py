@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("settings", nargs="+", help="JSON objects of ToyModelConfig fields, e.g. '{\"sim_a_steps\": 3000}'")
-    p.add_argument("--world", default="distortion", help="a world of minscope/envs/toy.py WORLDS")
+    p.add_argument("--world", default="distortion", help="a world of minscope/envs/toy_world.py WORLDS")
     p.add_argument("--gamma", type=float, default=8.0)
     p.add_argument("--cache-dir", default=".cache/minscope")
     args = p.parse_args(argv)

@@ -37,7 +37,9 @@ import itertools
 import numpy as np
 
 from .envs.base import Episode, Turn
-from .envs.toy import ACTS, ToyEnv, World, sharpened, total_variation
+from .envs.toy import ToyEnv
+from .envs.toy_words import ACTS
+from .envs.toy_world import World, sharpened, total_variation
 from .rollout import rollout
 
 
@@ -185,7 +187,7 @@ def _table(profile: dict) -> dict:
 
 def cue_rate(table: dict) -> float | None:
     """P(own cue | probe), averaged over personas, from a reply table (None without the probe)."""
-    from .envs.toy import CUES
+    from .envs.toy_words import CUES
 
     rates = [sum(d.get(c, 0.0) for c in CUES[p]) for (p, h), d in table.items() if h == (ACTS["probe"],)]
     return float(np.mean(rates)) if rates else None

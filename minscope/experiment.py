@@ -37,7 +37,7 @@ import torch
 from . import compute, runfolder
 from .armpool import default_workers, run_pool
 from .diversity import member_profile, pool_diversity
-from .envs.toy import act_entropy
+from .envs.toy_words import act_entropy
 from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
 from .files import RunLock, load_state, save_atomic, write_text_atomic
 from .loop import Log, run_loop

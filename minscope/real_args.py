@@ -59,7 +59,7 @@ def make_env(args):
             raise SystemExit(f"error: {e}") from None
     if args.env == "cooperbench":
         from .envs.cooperbench import CooperBenchEnv
-        from .envs.cooperbench_eval import EvalError
+        from .envs.cooperbench_task import EvalError
 
         if not args.data or not getattr(args, "repos", None):
             raise SystemExit("--env cooperbench needs --data PATH (the dataset/ folder of a CooperBench checkout) "

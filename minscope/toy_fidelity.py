@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from .envs.base import Episode, Turn
-from .envs.toy import ToyEnv, World, sharpened, total_variation
+from .envs.toy import ToyEnv
+from .envs.toy_world import World, sharpened, total_variation
 from .simulators import Frozen, Verbalized
 from .verbalized import draw
 from .verbalized_parse import parse_candidates

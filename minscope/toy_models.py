@@ -47,7 +47,9 @@ import numpy as np
 import torch
 
 from .armpool import default_workers, worker_init
-from .envs.toy import ACT_KEYS, ACTS, BLAND, REPLIES, ToyEnv, World, canonical_reply, sharpened
+from .envs.toy import ToyEnv
+from .envs.toy_words import ACT_KEYS, ACTS, BLAND, REPLIES, canonical_reply
+from .envs.toy_world import World, sharpened
 from .models import build_tiny_model, build_tokenizer
 from .precision import to_float64
 from .sft import sft

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .envs.toy import RealUsers, ToyEnv, World
+from .envs.toy import RealUsers, ToyEnv
+from .envs.toy_world import World
 from .diversity import member_profile
 from .evaluate import isolated_rng
 from .methods import Method, build_method
@@ -105,7 +106,7 @@ class ToyConfig:
 
     @property
     def world(self) -> str:
-        """Which of envs.toy.WORLDS the real users (and every simulator trained on them) are:
+        """Which of envs.toy_world.WORLDS the real users (and every simulator trained on them) are:
         `models.world_name`, set by `python train.py --world NAME`."""
         return self.models.world_name
 
@@ -142,8 +143,8 @@ def load_config(path) -> ToyConfig:
 
 
 def reference_values(gamma: float, world: str = "suppression") -> dict:
-    """Exact values on the real users that every report shows (see minscope.envs.toy)."""
-    from .envs.toy import sharpened
+    """Exact values on the real users that every report shows (see minscope.envs.toy_world)."""
+    from .envs.toy_world import sharpened
 
     world = World.named(world)
     seq = world.exploit(gamma)            # the cheap exploit of collapsed simulators

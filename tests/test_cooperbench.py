@@ -16,6 +16,8 @@ import pytest
 
 from minscope import sandbox
 from minscope.envs import cooperbench_eval as ev
+from minscope.envs import cooperbench_local as cb_local
+from minscope.envs import cooperbench_task as cb_task
 from minscope.envs.base import Episode, Turn
 from minscope.envs.cooperbench import CooperBenchEnv, read_subset
 from minscope.rollout import rollout, view_messages
@@ -23,7 +25,7 @@ from minscope.toolcalls import format_tool_call
 
 NAME = "toy_calc_task/task1"
 # (plugins of this interpreter, e.g. hypothesis, would add seconds to every test run)
-SPEC = ev.TaskSpec(".", python=sys.executable, env=(("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1"),))
+SPEC = cb_task.TaskSpec(".", python=sys.executable, env=(("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1"),))
 BASE_CALC = '"""A tiny calculator."""\n\n\ndef add(a, b):\n    return a + b\n\n# more operations go here\n'
 BASE_TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
 GOLD = {  # feature -> (source files, test files)
@@ -54,7 +56,7 @@ python -m pytest tests -v
 
 
 def git(cwd, *args):
-    return subprocess.run(["git", *args], cwd=cwd, env=ev.git_env(cwd), capture_output=True, text=True,
+    return subprocess.run(["git", *args], cwd=cwd, env=cb_local.git_env(cwd), capture_output=True, text=True,
                           check=True).stdout
 
 
@@ -117,15 +119,15 @@ def gold(task, f):
 # --------------------------------------------------------------------------- the evaluator
 def test_the_manifest_and_runner_sh_give_the_test_settings(toy, tmp_path):
     task, _ = toy
-    assert ev.runner_tests(task) == ([["pytest", "tests", "-v"]], None)
+    assert cb_task.runner_tests(task) == ([["pytest", "tests", "-v"]], None)
     (tmp_path / "runner.sh").write_text("pip install pytest\nPYTHONPATH=src timeout 300 python -m pytest "
                                         "tests/test_a.py -v 2>&1 | tee log\n")
-    assert ev.runner_tests(tmp_path) == ([["pytest", "tests/test_a.py", "-v"]], 300)
-    spec = ev.task_spec(task, SPEC)
-    assert spec.tests == (("pytest", "tests", "-v"),) and spec.timeout == ev.DEFAULT_TIMEOUT
-    with pytest.raises(ev.EvalError, match="toy_calc_task/task1 is not one of the pure-Python tasks"):
-        ev.task_spec(task)
-    assert ev.MANIFEST["pallets_click_task/task2068"].import_root == "src"
+    assert cb_task.runner_tests(tmp_path) == ([["pytest", "tests/test_a.py", "-v"]], 300)
+    spec = cb_task.task_spec(task, SPEC)
+    assert spec.tests == (("pytest", "tests", "-v"),) and spec.timeout == cb_task.DEFAULT_TIMEOUT
+    with pytest.raises(cb_task.EvalError, match="toy_calc_task/task1 is not one of the pure-Python tasks"):
+        cb_task.task_spec(task)
+    assert cb_task.MANIFEST["pallets_click_task/task2068"].import_root == "src"
 
 
 def test_each_feature_fails_without_its_gold_patch_and_passes_with_it(toy):
@@ -191,9 +193,9 @@ def test_a_tarball_of_the_base_tree_works_like_the_clone(toy, tmp_path):
 
 def test_an_empty_venv_is_built_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MINSCOPE_CACHE", str(tmp_path))
-    python = ev.test_python(ev.TaskSpec(".", deps=()))
+    python = cb_local.test_python(cb_task.TaskSpec(".", deps=()))
     assert Path(python).exists() and (Path(python).parent.parent / "minscope-ok").is_file()
-    assert ev.test_python(ev.TaskSpec(".", deps=())) == python
+    assert cb_local.test_python(cb_task.TaskSpec(".", deps=())) == python
 
 
 # --------------------------------------------------------------------------- the episode
@@ -341,7 +343,7 @@ def coop_runs(toy, tmp_path_factory):
     tok.save_pretrained(model_dir)
     runs = tmp_path_factory.mktemp("coop-runs")
     mp = pytest.MonkeyPatch()
-    mp.setitem(ev.MANIFEST, NAME, SPEC)          # the fixture task, as if it were in the manifest
+    mp.setitem(cb_task.MANIFEST, NAME, SPEC)          # the fixture task, as if it were in the manifest
     data = ["--data", str(task.parent.parent), "--repos", str(task.parent.parent.parent / "repos"), "--tasks", NAME]
     try:
         for label, (method, *extra) in METHOD_RUNS.items():

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from minscope.envs.base import Episode, Turn, turn_noise
-from minscope.envs.toy import RealUsers, SharpenedUsers, ToyEnv, ACTS
+from minscope.envs.toy import RealUsers, SharpenedUsers, ToyEnv
+from minscope.envs.toy_words import ACTS
 from minscope.envs.wordgame import Asker, WordGame
 from minscope.evaluate import collapse_meter, open_loop_meter
 from minscope.methods import METHODS, build_method, train_step

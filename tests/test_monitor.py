@@ -2,7 +2,8 @@
 import pytest
 
 from minscope.diversity import exploit_value, member_profile, pool_diversity
-from minscope.envs.toy import RealUsers, SharpenedUsers, World, sharpened
+from minscope.envs.toy import RealUsers, SharpenedUsers
+from minscope.envs.toy_world import World, sharpened
 from minscope.monitor import CollapseMonitor, MonitorConfig, first_alarms
 
 
@@ -205,7 +206,8 @@ class Modal:
 
     def respond(self, episodes, env):
         from minscope.envs.base import Turn
-        from minscope.envs.toy import ACTS, CUES, history_from_turns
+        from minscope.envs.toy import history_from_turns
+        from minscope.envs.toy_words import ACTS, CUES
 
         out = []
         for ep in episodes:
@@ -220,7 +222,7 @@ def test_deterministic_members_read_their_exact_tv_with_a_zero_floor():
     """Two members that differ only at the probe: the floor is 0, the excess is exactly the
     share of tables that differ, all of it at the probe; the cue rates are 1 and 0."""
     from minscope.diversity import diversity_histories
-    from minscope.envs.toy import ACTS
+    from minscope.envs.toy_words import ACTS
 
     hidden, revealing = (member_profile(Modal(r), W, GAMMA, n=8, episodes=8) for r in (False, True))
     d = pool_diversity({"hidden": hidden, "revealing": revealing}, hidden, W, GAMMA)

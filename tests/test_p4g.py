@@ -19,9 +19,6 @@ from minscope.envs.p4g import (
     PERSUADEE_PROMPT,
     READOUTS,
     P4GEnv,
-    episode_donation,
-    is_donation_ask,
-    parse_donation,
     words_for_tokens,
 )
 from minscope.envs.p4g_data import (
@@ -32,6 +29,7 @@ from minscope.envs.p4g_data import (
     persona_split,
     render_persona,
 )
+from minscope.envs.p4g_parse import episode_donation, is_donation_ask, parse_donation
 
 FIXTURES = Path(__file__).parent / "fixtures" / "p4g"
 CSV = FIXTURES / "csv"

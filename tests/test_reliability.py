@@ -414,7 +414,7 @@ def test_resume_of_a_real_run_refuses_a_different_method_and_accepts_the_same_on
 
 # --------------------------------------------------------------------------- results across processes
 def test_best_adaptive_value_is_the_same_in_every_process():
-    code = "from minscope.envs.toy import World; print(repr(float(World().best_adaptive()[0])))"
+    code = "from minscope.envs.toy_world import World; print(repr(float(World().best_adaptive()[0])))"
     outs = set()
     for seed in ("0", "5"):   # these two orders differed in the last bit
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}

@@ -21,6 +21,8 @@ from test_cooperbench import NAME, SPEC, env_for, gold, make_task, need_bwrap
 from minscope import sandbox
 from minscope.envs import cooperbench as cb
 from minscope.envs import cooperbench_eval as ev
+from minscope.envs import cooperbench_local as cb_local
+from minscope.envs import cooperbench_task as cb_task
 from minscope.envs.base import Episode, Turn
 from minscope.toolcalls import ToolCall, format_tool_call
 
@@ -143,7 +145,7 @@ def test_memory_and_process_limits_stop_a_hog_and_a_fork_bomb(tmp_path):
 
 def test_without_bwrap_the_env_refuses_unless_told_it_is_unsafe(toy, monkeypatch):
     monkeypatch.setattr(sandbox, "unavailable", lambda: "bwrap (bubblewrap) is not installed")
-    with pytest.raises(ev.EvalError, match="cannot run model-written code safely.*--unsafe-no-sandbox"):
+    with pytest.raises(cb_task.EvalError, match="cannot run model-written code safely.*--unsafe-no-sandbox"):
         env_for(toy[0])
     with pytest.raises(sandbox.SandboxUnavailable):
         ev.evaluate_feature(toy[0], toy[1], 1, "", spec=SPEC)
@@ -153,7 +155,7 @@ def test_without_bwrap_the_env_refuses_unless_told_it_is_unsafe(toy, monkeypatch
 
     argv = ["--env", "cooperbench", "--data", str(toy[0].parent.parent), "--repos", str(toy[1].parent),
             "--tasks", NAME]
-    monkeypatch.setitem(ev.MANIFEST, NAME, SPEC)
+    monkeypatch.setitem(cb_task.MANIFEST, NAME, SPEC)
     with pytest.raises(SystemExit, match="error: cannot run model-written code safely"):
         make_env(train.build_parser().parse_args(argv))
     assert make_env(train.build_parser().parse_args(argv + ["--unsafe-no-sandbox"])).unsafe
@@ -251,7 +253,7 @@ def test_case_3_model_tests_cannot_corrupt_the_users_repository(toy, ws):
     assert fsck.returncode == 0, fsck.stderr
     objects = [p for p in (repo / ".git" / "objects").rglob("*") if p.is_file()]
     assert objects and all(p.stat().st_nlink == 1 for p in objects)      # no object is shared
-    assert ev.git(["fsck"], ws.path).returncode == 0 and "test_corrupt.py" in ws.patch()
+    assert cb_local.git(["fsck"], ws.path).returncode == 0 and "test_corrupt.py" in ws.patch()
 
 
 def test_case_4_malformed_arguments_get_an_error_message_not_an_exception(env, ep):
@@ -340,7 +342,7 @@ def test_case_9_a_symlinked_tmpdir_works_and_every_result_is_clipped(toy, tmp_pa
     (tmp_path / "link-tmp").symlink_to(real)
     monkeypatch.setenv("TMPDIR", str(tmp_path / "link-tmp"))
     monkeypatch.setattr(tempfile, "tempdir", None)
-    monkeypatch.setattr(ev, "_ROOT", None)
+    monkeypatch.setattr(cb_local, "_ROOT", None)
     env = env_for(toy[0])
     episode = Episode(task=env.tasks("train")[0], group=0)
     ws = env.workspace(episode, "agent")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from minscope import report, report_results, report_tables
-from minscope.envs.toy import INVALID, act_entropy
+from minscope.envs.toy_words import INVALID, act_entropy
 from minscope.seedstats import paired, t_cdf, t_interval, t_quantile
 
 ROOT = Path(__file__).resolve().parents[1]

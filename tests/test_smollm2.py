@@ -405,12 +405,12 @@ def test_a_tau2_mock_episode_on_smollm2_lists_the_tools_its_template_drops(smol)
 
 
 def test_a_cooperbench_episode_on_smollm2_self_play(smol, tmp_path, monkeypatch):
-    from minscope.envs import cooperbench_eval as ev
+    from minscope.envs import cooperbench_task as cb_task
     from test_cooperbench import NAME, SPEC, env_for, make_task
 
     model, tok = smol
     task, _ = make_task(tmp_path)
-    monkeypatch.setitem(ev.MANIFEST, NAME, SPEC)
+    monkeypatch.setitem(cb_task.MANIFEST, NAME, SPEC)
     env = env_for(task, max_turns=1)
     (ep,) = play(env, env.tasks("train")[:1], model, tok, partner_adapter="policy")
     reward, info = env.score(ep)               # the official evaluation on the two coders' patches

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 from minscope.envs.base import Episode, Turn
-from minscope.envs.toy import (ACT_KEYS, ACTS, CUES, FORGET, INVALID, NEVER, NO, PERSONAS, REPLIES, STRATEGIES,
-                               SURE1, WHAT, YES2, RealUsers, SharpenedUsers, ToyEnv, World, sharpened,
-                               text_to_act, total_variation)
+from minscope.envs.toy import RealUsers, SharpenedUsers, ToyEnv
+from minscope.envs.toy_words import (ACT_KEYS, ACTS, CUES, FORGET, INVALID, NEVER, NO, PERSONAS, REPLIES, STRATEGIES,
+                                     SURE1, WHAT, YES2, text_to_act)
+from minscope.envs.toy_world import World, sharpened, total_variation
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +255,7 @@ def test_policy_tokenizer_has_one_token_per_act_and_reply_and_round_trips():
 def test_base_persuader_reads_cues_and_asks_when_the_probe_reveals_nothing(world):
     """The policy base's teacher: the best adaptive act for a share `policy_skill`, except
     a 1-dollar ask after a bland probe reply (which puts the upsell one act away)."""
-    from minscope.envs.toy import BLAND
+    from minscope.envs.toy_words import BLAND
     from minscope.toy_models import ToyModelConfig, base_persuader
 
     rng = np.random.default_rng(0)

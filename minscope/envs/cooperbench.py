@@ -33,7 +33,7 @@ Data: a CooperBench `dataset/` folder (official layout) and a folder of base rep
 one per task: `<repo>_task<N>.tar.gz` or `<repo>_task<N>.<anything>.tar.gz` (a `git archive` of
 the base tree), or a git clone named `<repo>_task<N>`, `<repo>` or after the upstream repository
 (e.g. `click`) holding the base commit. Only the pure-Python tasks listed in
-`cooperbench_eval.MANIFEST` run without Docker.
+`cooperbench_task.MANIFEST` run without Docker.
 
     python train.py --env cooperbench --data CooperBench/dataset --repos repos \
         --tasks pallets_click_task/task2068 --policy Qwen/Qwen3-1.7B --simulator Qwen/Qwen3-1.7B \
@@ -57,9 +57,12 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
+from .. import sandbox
 from ..toolcalls import ToolCall, parse_tool_calls
-from . import cooperbench_eval as ev
 from .base import Environment, Episode, Step, Turn
+from .cooperbench_eval import evaluate_pair
+from .cooperbench_local import clip, temp_root
+from .cooperbench_task import EvalError, base_commit, task_name, task_spec
 from .cooperbench_tools import BASH_TOOL, TOOL_OUTPUT_CHARS, TOOLS, CoopTask, Workspace, run_tool, tool_list  # noqa: F401
 
 SCORE_CACHE = 4096            # pair verdicts remembered (per process)
@@ -122,8 +125,8 @@ def find_repo(repos, task_dir) -> Path:
             tried.append(str(repos / name))
             if (repos / name / ".git").exists():
                 return repos / name
-    raise FileNotFoundError(f"no base repository for {ev.task_name(task_dir)}; looked for {', '.join(tried)} "
-                            f"(a `git archive` tarball of the base commit {ev.base_commit(task_dir)}, or a clone)")
+    raise FileNotFoundError(f"no base repository for {task_name(task_dir)}; looked for {', '.join(tried)} "
+                            f"(a `git archive` tarball of the base commit {base_commit(task_dir)}, or a clone)")
 
 
 def read_subset(path) -> dict[str, list[tuple[int, int]] | None]:
@@ -165,7 +168,7 @@ class CooperBenchEnv(Environment):
     choosing the training / held-out pairs (held-out pairs are never training pairs; without
     test_subset there is no test split);
     max_turns: generated turns per coder; bash: also offer the `bash` tool;
-    specs: TaskSpec per task name, for tasks outside `cooperbench_eval.MANIFEST`;
+    specs: TaskSpec per task name, for tasks outside `cooperbench_task.MANIFEST`;
     tool_timeout: seconds for run_tests and bash;
     unsafe_no_sandbox: where bwrap is missing, run the coders' code with this user's rights
     instead of refusing (EvalError) to start.
@@ -183,18 +186,18 @@ class CooperBenchEnv(Environment):
         self.max_turns, self.bash, self.tool_timeout = max_turns, bash, tool_timeout
         self.unsafe = unsafe_no_sandbox
         try:
-            ev.sandbox.check(unsafe_no_sandbox)
-        except ev.sandbox.SandboxUnavailable as e:
-            raise ev.EvalError(str(e)) from None
-        if unsafe_no_sandbox and ev.sandbox.unavailable():
-            print(f"warning: {ev.sandbox.unavailable()}: the coders' tests{' and bash commands' * bash} "
+            sandbox.check(unsafe_no_sandbox)
+        except sandbox.SandboxUnavailable as e:
+            raise EvalError(str(e)) from None
+        if unsafe_no_sandbox and sandbox.unavailable():
+            print(f"warning: {sandbox.unavailable()}: the coders' tests{' and bash commands' * bash} "
                   "and the final evaluation run with your rights (--unsafe-no-sandbox)", file=sys.stderr)
         self.task_dirs = find_task_dirs(data, tasks)
         self.specs = {}
         self.repos = {}
         for t in self.task_dirs:
-            name = ev.task_name(t)
-            self.specs[name] = ev.task_spec(t, (specs or {}).get(name))   # unknown task: EvalError
+            name = task_name(t)
+            self.specs[name] = task_spec(t, (specs or {}).get(name))   # unknown task: EvalError
             self.repos[name] = find_repo(repos, t)
         test = self._pairs(test_subset) if test_subset else []
         held_out = set(test)
@@ -207,7 +210,7 @@ class CooperBenchEnv(Environment):
         chosen = read_subset(subset) if subset else None
         out = []
         for t in self.task_dirs:
-            name = ev.task_name(t)
+            name = task_name(t)
             if chosen is not None and name not in chosen:
                 continue
             pairs = (chosen or {}).get(name) or list(itertools.combinations(features(t), 2))
@@ -261,7 +264,7 @@ class CooperBenchEnv(Environment):
         spaces = episode.info.setdefault("workspaces", {})
         if role not in spaces:
             if self._root is None or not self._root.exists():
-                self._root = ev.temp_root("minscope-coders-")      # (removed at exit and on SIGTERM)
+                self._root = temp_root("minscope-coders-")      # (removed at exit and on SIGTERM)
             spaces[role] = Workspace(episode.task, self.specs[episode.task.name], self._root, self.unsafe)
         return spaces[role]
 
@@ -293,7 +296,7 @@ class CooperBenchEnv(Environment):
                         text, error = f"{other_name} has already finished; the message was not delivered", True
                     else:
                         state[role]["messages"] += 1
-                        inject.append(Turn("env", ev.clip(f"[Message from {me}]: {content}", TOOL_OUTPUT_CHARS), to=other,
+                        inject.append(Turn("env", clip(f"[Message from {me}]: {content}", TOOL_OUTPUT_CHARS), to=other,
                                            meta={"tool_name": "message", "from": role}))
                         text, error = f"message sent to {other_name}", False
                 elif name == "submit":
@@ -303,7 +306,7 @@ class CooperBenchEnv(Environment):
                     text, error = run_tool(self.workspace(episode, role), call, self.tool_timeout, self.bash)
             state[role]["tool_errors"] += error
             names.append(name)
-            inject.append(Turn("env", ev.clip(text, TOOL_OUTPUT_CHARS), to=role, meta={"tool_name": name, "error": error}))
+            inject.append(Turn("env", clip(text, TOOL_OUTPUT_CHARS), to=role, meta={"tool_name": name, "error": error}))
             if state[role]["submitted"]:
                 break                          # nothing after submit runs
         turn.meta["tool_calls"] = names
@@ -336,8 +339,8 @@ class CooperBenchEnv(Environment):
         key = (task.task_dir, task.repo, task.feature1, task.feature2, spec,
                hashlib.sha1(patch1.encode()).hexdigest(), hashlib.sha1(patch2.encode()).hexdigest())
         if key not in _SCORES:
-            _SCORES[key] = ev.evaluate_pair(task.task_dir, task.repo, task.feature1, task.feature2,
-                                            patch1, patch2, spec=spec, unsafe_no_sandbox=self.unsafe)
+            _SCORES[key] = evaluate_pair(task.task_dir, task.repo, task.feature1, task.feature2,
+                                         patch1, patch2, spec=spec, unsafe_no_sandbox=self.unsafe)
             if len(_SCORES) > SCORE_CACHE:
                 _SCORES.popitem(last=False)
         _SCORES.move_to_end(key)

@@ -19,8 +19,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import sandbox
 from ..toolcalls import ToolCall
-from . import cooperbench_eval as ev
+from .cooperbench_local import clip, clone_base, git, run_limited, test_env, test_python
+from .cooperbench_task import TaskSpec, task_name
 
 TOOL_OUTPUT_CHARS = 4000      # tool results (and messages) are cut to this many characters (head + tail)
 SEARCH_TIMEOUT = 10           # seconds a search may take
@@ -37,7 +39,7 @@ class CoopTask:
 
     @property
     def name(self) -> str:
-        return ev.task_name(self.task_dir)
+        return task_name(self.task_dir)
 
     @property
     def id(self) -> str:
@@ -86,11 +88,11 @@ def tool_list(tools) -> str:
 
 
 class Workspace:
-    """One coder's clone of the base tree, in a temporary folder (resolved: see ev.temp_root)."""
+    """One coder's clone of the base tree, in a temporary folder (resolved: see cooperbench_local.temp_root)."""
 
-    def __init__(self, task: CoopTask, spec: ev.TaskSpec, root: Path, unsafe: bool = False):
+    def __init__(self, task: CoopTask, spec: TaskSpec, root: Path, unsafe: bool = False):
         self.dir = Path(tempfile.mkdtemp(prefix="coder-", dir=root)).resolve()
-        self.path, self.base = ev.clone_base(task.repo, task.task_dir, self.dir / "repo")
+        self.path, self.base = clone_base(task.repo, task.task_dir, self.dir / "repo")
         self.home = self.dir / "home"
         self.home.mkdir()
         self.spec, self.unsafe = spec, unsafe
@@ -109,18 +111,18 @@ class Workspace:
         """Model-written code in the sandbox: tests and bash with the workspace writable (its
         .git read-only) and the test interpreter visible; with `writable=False` (search) the
         workspace only readable and no interpreter."""
-        python = ev.test_python(self.spec) if writable else None
+        python = test_python(self.spec) if writable else None
         if writable:
-            rw, ro = (self.path, self.home), ev.sandbox.python_dirs(python)
+            rw, ro = (self.path, self.home), sandbox.python_dirs(python)
         else:
             rw, ro = (), [self.path]
-        return ev.run_limited(argv, self.path, ev.test_env(self.path, self.spec, self.home, python), timeout,
-                              writable=rw, readable=ro, readonly_inside=(self.path / ".git",), unsafe=self.unsafe)
+        return run_limited(argv, self.path, test_env(self.path, self.spec, self.home, python), timeout,
+                           writable=rw, readable=ro, readonly_inside=(self.path / ".git",), unsafe=self.unsafe)
 
     def patch(self) -> str:
         """Everything this coder changed, new files included."""
-        ev.git(["add", "-A"], self.path)
-        return ev.git(["diff", "--cached", self.base], self.path).stdout
+        git(["add", "-A"], self.path)
+        return git(["diff", "--cached", self.base], self.path).stdout
 
     def remove(self):
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -242,14 +244,14 @@ def run_tool(ws: Workspace, call: ToolCall, timeout: float, bash: bool) -> tuple
             raw = _text(a, "path", "tests") or "tests"
             file, _, node = raw.partition("::")           # a test id: path::name
             _, target = _rel(ws, {"path": file}, "path", "tests")
-            rc, out, _ = ws.run([ev.test_python(ws.spec), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--",
+            rc, out, _ = ws.run([test_python(ws.spec), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--",
                                  target + (f"::{node}" if node else "")], timeout)
             status = "timed out" if rc is None else f"exit code {rc}"
-            return f"{status}\n{ev.clip(out, TOOL_OUTPUT_CHARS)}", rc != 0
+            return f"{status}\n{clip(out, TOOL_OUTPUT_CHARS)}", rc != 0
         if name == "bash" and bash:
             rc, out, _ = ws.run(["bash", "-c", _text(a, "command")], timeout)
             return json.dumps({"returncode": rc if rc is not None else -9,     # (room for the JSON around it)
-                               "output": ev.clip(out, TOOL_OUTPUT_CHARS - 200)}, ensure_ascii=False), rc != 0
+                               "output": clip(out, TOOL_OUTPUT_CHARS - 200)}, ensure_ascii=False), rc != 0
     except (ValueError, TypeError, OverflowError, OSError, UnicodeError, re.error) as e:
         return f"Error: {e}", True
     return f"Error: unknown tool {name!r}", True
