@@ -12,7 +12,7 @@ reproduces a logged evaluation exactly); the results go to `eval.jsonl` and a se
 simulator) to `eval.jsonl`.
 
 Real-model runs (train.py --env p4g / tau2) are rebuilt from their config.json; the saved
-policy adapter plays the test tasks against the run's panel (see minscope/real_report.py):
+policy adapter plays the test tasks against the run's panel (see minscope/real_eval.py):
 
     python eval.py runs/p4g-vs --episodes 4                  P4G: reward, donations, transcripts
     python eval.py runs/tau2-single --trials 4               tau2: success per domain, pass^1..4
@@ -59,7 +59,8 @@ def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) ->
     from minscope.evaluate import collapse_meter, evaluate_panel
     from minscope.files import load_state
     from minscope.models import load_adapter_state
-    from minscope.report import fmt, label
+    from minscope.report_results import label
+    from minscope.report_tables import fmt
 
     toy = experiment.Toy(cfg, cache_dir, progress=False)
     # the new results are written beside eval.jsonl and replace it at the end: a crash or

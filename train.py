@@ -430,7 +430,7 @@ def check_args(p, args):
 def run_toy(args):
     from minscope import experiment, report
     from minscope.files import read_json
-    from minscope.report import fmt
+    from minscope.report_tables import fmt
     from minscope.runfolder import check_format
 
     if args.resume:

@@ -48,7 +48,8 @@ from .monitor import CollapseMonitor
 from .runfolder import MetricsLog, arm_name, check_saved_arms
 from .sft import AnchorBatches
 from .simulators import Frozen, Population
-from .toy_models import ToyModels, aligned_fidelity, fidelity, fidelity_problems
+from .toy_fidelity import aligned_fidelity, fidelity, fidelity_problems
+from .toy_models import ToyModels
 
 # the set-up, part of this module's API: settings, models, environment, panel, arms
 from .toy_setup import (  # noqa: F401

@@ -225,7 +225,7 @@ def ratio_by_age(pool, episodes, rows: dict, step: int) -> dict:
     them the first pass clips, and their mean |log importance ratio|. A snapshot labelled
     k > 0 is taken after update k, the first one (label 0) before any update, so the live
     adapter is age - 1 updates past the first kind and age past the second (the report
-    counts updates: `report.sim_update_summary`)."""
+    counts updates: `report_results.sim_update_summary`)."""
     step_of = {slot: snap for slot, (snap, _) in zip(pool.slots, pool.pool)}
     out: dict[str, list] = {}
     for i, (n, clipped, abs_log) in rows.items():

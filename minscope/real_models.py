@@ -1,7 +1,7 @@
 """The models of a real run or of its evaluation: the policy, the frozen training
 simulator(s), a trainable simulator adapter and the panel (`build_models` -> `Models`), the
 method assembled on them (`build_real_method`), and what every LM speaker shares (thinking,
-prefix sharing, the rollout batch that fits in memory). `real_report` (eval.py) rebuilds the
+prefix sharing, the rollout batch that fits in memory). `real_eval` (eval.py) rebuilds the
 same models from a run's config.json.
 """
 

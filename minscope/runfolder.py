@@ -111,7 +111,7 @@ NUMERIC_FIELDS = ("train_reward", "panel_mean", "policy_entropy", "zero_var_frac
                   "panel", "seconds", "rollout_s", "update_s", "eval_s", "policy_loss", "kl", "entropy",
                   "exact_stream_frac", "skipped_steps", "tokens_generated", "tokens_prefilled", "act_entropy",
                   "invalid_acts", "sim_clip_frac", "eval_temperature", "tasks", "sim_a_exploit_value",
-                  # P4G's readings (real_report.READINGS), the pool's diversity (report.POOL_KEYS)
+                  # P4G's readings (real_eval.READINGS), the pool's diversity (report_results.POOL_KEYS)
                   "readout_decision", "readout_asked", "reward_parsed", "reward_sampled", "readout_coverage",
                   "pairwise_tv", "pairwise_floor", "pairwise_tv_excess", "tv_sim_a", "tv_real", "exploit_value",
                   "cue_rate", "real_cue_rate")

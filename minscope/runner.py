@@ -31,7 +31,7 @@ and `eval_s` on evaluation records) and counts the tokens fed and sampled.
 
 Panel entries (`--panel a,unseen:b`) are model directories / hub names, or PEFT adapter
 directories (e.g. a co-trained `simulator-step64/`), which are loaded onto the simulator's
-base model. `real_models.build_models` is shared with `real_report` (eval.py), which rebuilds
+base model. `real_models.build_models` is shared with `real_eval` (eval.py), which rebuilds
 the same models from a run's config.json.
 
 Served simulators: `--simulator openai:MODEL@http://HOST:PORT/v1` (and the same spec as a

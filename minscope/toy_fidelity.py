@@ -7,7 +7,6 @@ order of a simulator's replies, so this is measured, not assumed.
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,10 +15,8 @@ from .envs.base import Episode, Turn
 from .envs.toy import ToyEnv
 from .envs.toy_world import World, sharpened, total_variation
 from .simulators import Frozen, Verbalized
-from .verbalized import draw, parse_candidates
-
-if TYPE_CHECKING:           # (toy_models imports this module)
-    from .toy_models import ToyModels
+from .verbalized import draw
+from .verbalized_parse import parse_candidates
 
 
 def fidelity(simulator, world: World, gamma: float, episodes: int = 64, seed: int = 0,
@@ -126,9 +123,11 @@ def fidelity_problems(fid: dict) -> list[str]:
     return problems
 
 
-def fidelity_gate(models: ToyModels, gamma: float = 8.0) -> tuple[dict, list[str]]:
+def fidelity_gate(models, gamma: float = 8.0) -> tuple[dict, list[str]]:
     """The check a run applies before any RL (`experiment._run`): sim-a and sim-a-vs against
-    their world, the aligned model against the sharpened users. Returns (figures, problems)."""
+    their world, the aligned model against the sharpened users. Returns (figures, problems).
+    models: the tiny models (`toy_models.ToyModels`; this module does not import it, since
+    toy_models calls this gate when it ships them)."""
     sim, _, world = models.simulator("sim-a")
     vs_sim = Frozen(models.simulator("sim-a-vs")[0], models.tokenizer, max_new_tokens=12)
     fid = fidelity(Frozen(sim, models.tokenizer, max_new_tokens=12), world, gamma, vs_simulator=vs_sim)

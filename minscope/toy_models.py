@@ -17,7 +17,7 @@
                    comparison fair: both are sim-a's world, sharpened the same way.)
 
 How well a simulator is learned matters more than anything else here (sharpening by
-gamma = 8 magnifies every error in the order of its replies): `fidelity()` measures the
+gamma = 8 magnifies every error in the order of its replies): `toy_fidelity.fidelity()` measures the
 total variation between a simulator and its world at the histories that decide the
 exploit, and the exploit's value inside the sharpened simulator against the exact one.
 
@@ -53,9 +53,9 @@ from .envs.toy_world import World, sharpened
 from .models import build_tiny_model, build_tokenizer
 from .precision import to_float64
 from .sft import sft
-from .toy_fidelity import (MAX_VS_TV, MIN_EXPLOIT_SHARE, aligned_fidelity, fidelity,  # noqa: F401 (its API)
-                           fidelity_gate, fidelity_problems, sampling_tv_floor)
-from .verbalized import Candidate, format_candidates, vs_instruction
+from .toy_fidelity import fidelity_gate
+from .verbalized import format_candidates, vs_instruction
+from .verbalized_parse import Candidate
 
 # name -> (panel kind, World overrides). Members differ in their *modes*, not just seeds:
 # an ensemble of copies of one model shares its mode and its exploit.

@@ -406,7 +406,7 @@ def test_seed_intervals_with_a_missing_file_heading_or_column_is_one_line(tmp_pa
 @pytest.mark.parametrize("best", ['{"step": ', '{"step": "3"}', "[]"])
 def test_checkpoint_best_with_a_damaged_best_json_is_one_message(tmp_path, best):
     # before: JSONDecodeError / KeyError tracebacks, or a string step compared with the saved ones
-    from minscope.real_report import pick_checkpoint
+    from minscope.real_eval import pick_checkpoint
 
     (tmp_path / "policy-step3" / "policy").mkdir(parents=True)
     (tmp_path / "policy-step3" / "policy" / "adapter_config.json").write_text("{}")

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from minscope import experiment, report
+from minscope import experiment, report, report_results
 from minscope.runfolder import format_fields
 from minscope.toy_models import ToyModelConfig
 
@@ -227,7 +227,7 @@ def test_report_writes_results_plots_and_markdown(tmp_path, cache):
     assert "## Pool diversity" in md and "## Collapse monitor" in md
     assert (run_dir / "pool_diversity.png").stat().st_size > 1000
     assert "aligned" in json.loads((run_dir / "fidelity.json").read_text())
-    check_report_html(run_dir / "report.html", [report.label(m) for m, _ in cfg.arms()])
+    check_report_html(run_dir / "report.html", [report_results.label(m) for m, _ in cfg.arms()])
     page = (run_dir / "report.html").read_text()
     single = page.split("RL (Single), seed 0, step 4")[1].split("<h3>")[0]     # the last evaluation's dialogues
     assert "with the real users" in single and "with its training simulator sim-a" in single
@@ -323,25 +323,25 @@ def test_workers_default_to_the_available_cores_capped_by_the_arms(monkeypatch):
 def test_shipped_models_are_the_default_settings_and_pass_the_fidelity_gate(tmp_path):
     # what a first run after a clone uses instead of training the models (toy_models.SHIPPED);
     # a change of the settings or of the toy's texts changes the key: rebuild them then
-    from minscope import toy_models
+    from minscope import toy_fidelity, toy_models
 
     cfg = toy_models.ToyModelConfig()
     assert (toy_models.SHIPPED / f"toy-{cfg.key()}").is_dir(), "run: python -m minscope.toy_models --rebuild"
     models = toy_models.ToyModels(tmp_path, cfg, progress=False, log=lambda *a: None)
     missing = [n for n in models.names() if models._load(n) is None]
     assert missing == []                          # everything came from the shipped files
-    fid, problems = toy_models.fidelity_gate(models)
+    fid, problems = toy_fidelity.fidelity_gate(models)
     assert problems == [], problems
 
 
 def test_rebuild_ships_only_models_that_pass_the_fidelity_gate(tmp_path, monkeypatch):
-    from minscope import toy_models
+    from minscope import toy_fidelity, toy_models
 
     shipped = tmp_path / "shipped"
     # ten SFT steps do not make faithful simulators: nothing is shipped
     assert toy_models.rebuild(TINY_MODELS, shipped=shipped, log=lambda *a: None)
     assert not shipped.exists() or not any(shipped.iterdir())
-    real_gate = toy_models.fidelity_gate
+    real_gate = toy_fidelity.fidelity_gate
     monkeypatch.setattr(toy_models, "fidelity_gate", lambda models: (real_gate(models)[0], []))
     assert toy_models.rebuild(TINY_MODELS, shipped=shipped, log=lambda *a: None) == []
     assert [p.name for p in shipped.iterdir()] == [f"toy-{TINY_MODELS.key()}"]

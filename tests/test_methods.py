@@ -14,7 +14,8 @@ from minscope.models import adapter_state, add_adapters, build_tiny_model
 from minscope.rollout import LMSpeaker, rollout
 from minscope.simulators import Ensemble, Frozen, PersonaGuided, Population, Verbalized
 from minscope.trainer import UpdateConfig
-from minscope.verbalized import Candidate, format_candidates
+from minscope.verbalized import format_candidates
+from minscope.verbalized_parse import Candidate
 
 
 @pytest.fixture

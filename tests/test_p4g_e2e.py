@@ -32,7 +32,7 @@ from minscope.models import (
 )
 from minscope.real_args import eval_tasks, parse_panel
 from minscope.real_models import build_models
-from minscope.real_report import evaluate_run, p4g_summary
+from minscope.real_eval import evaluate_run, p4g_summary
 from minscope.runner import TIMING_KEYS
 
 P4G_CSV = Path(__file__).parent / "fixtures" / "p4g" / "csv"

@@ -164,7 +164,7 @@ def test_low_coverage_is_one_line_naming_the_lowest_and_the_report_says_it(tmp_p
     import json
 
     from minscope.readout import low_coverage
-    from minscope.real_report import training_log
+    from minscope.real_tables import training_log
     recs = [{"kind": "train", "step": 0, "train_reward": 0.5, "readout_coverage": 0.99},
             {"kind": "train", "step": 1, "train_reward": 0.5, "readout_coverage": 0.42},
             {"kind": "eval", "step": 2, "panel_mean": 0.3, "readout_coverage": 0.85}]

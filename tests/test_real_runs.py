@@ -18,7 +18,7 @@ from minscope.envs.base import Episode
 from minscope.envs.p4g import P4GEnv
 from minscope.models import add_adapters, build_tiny_model, enable_checkpointing
 from minscope.real_models import eval_panel
-from minscope.real_report import training_log
+from minscope.real_tables import training_log
 from minscope.rollout import Stream, rollout, rollout_batch
 from minscope.runfolder import FORMAT_VERSION
 from minscope.simulators import Frozen
@@ -431,7 +431,7 @@ def test_the_report_gives_the_share_of_steps_the_pool_played_full(tmp_path, ever
     whether the log says so (pool_full, pool_played) or a log from before says only pool_size."""
     from collections import deque
 
-    from minscope.real_report import pool_lines
+    from minscope.real_tables import pool_lines
 
     (tmp_path / "config.json").write_text(json.dumps({"pool_size": 5, "pool_every": every}))
     pool, new, old = deque([0], maxlen=5), [], []      # the snapshot steps; the first taken at step 0

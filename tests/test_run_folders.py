@@ -287,7 +287,7 @@ def no_png(monkeypatch):
 
 def test_any_value_in_any_field_of_a_real_run_log_is_a_report_or_one_message(finished_run, tmp_path, no_png):
     # before: eval.py --report-only ended in a traceback ("Unknown format code 'f' for object of type
-    # 'str'", real_report._f) for a text in a member's mean; so did the monitor and a resume
+    # 'str'", real_tables._f) for a text in a member's mean; so did the monitor and a resume
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     tools = [lambda r: eval_cli.main([str(r), "--report-only"]), lambda r: monitor.main([str(r)])]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from minscope import report
+from minscope import report, report_results, report_tables
 from minscope.envs.toy_words import INVALID, act_entropy
 from minscope.seedstats import paired, t_cdf, t_interval, t_quantile
 
@@ -77,7 +77,7 @@ def test_the_report_gives_seed_intervals_and_paired_differences_at_both_checkpoi
         recs += records("base", seed, [0.31], [0.5], steps=(0,))
         recs += records("single", seed, [s0, s1], [0.4, 0.9], acts=1.2)      # panel picks the final one
         recs += records("vs", seed, [0.3, v1], [0.6, 0.5], acts=0.3)         # panel picks step 0 (0.3)
-    res = report.summarize(recs, {})
+    res = report_results.summarize(recs, {})
     h = res["methods"]["single"]["heldout"]["real_users"]
     half = 4.302653 * 0.07 / math.sqrt(3)                  # mean .17, sd .07
     assert h["final_seed_ci95"] == [pytest.approx(0.17 - half, abs=1e-6), pytest.approx(0.17 + half, abs=1e-6)]
@@ -88,7 +88,7 @@ def test_the_report_gives_seed_intervals_and_paired_differences_at_both_checkpoi
     assert p["vs|single|final"]["mean"] == pytest.approx(0.3) and p["vs|single|final"]["verdict"] == "above"
     assert p["vs|single|selected"]["mean"] == pytest.approx(0.3 - 0.17)
     assert p["single|base|final"]["verdict"] == "tie" and "base|single|final" not in p
-    md = "\n".join(report.paired_md(res))
+    md = "\n".join(report_tables.paired_md(res))
     assert "| Verbalized Sampling | RL (Single) | 0.300 (" in md and "| 3/3 | above |" in md
     json.dumps(res)                                       # results.json stays writable
 

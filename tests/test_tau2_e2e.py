@@ -14,7 +14,7 @@ import eval as eval_cli
 import train as train_cli
 from minscope.envs.base import Episode, Turn
 from minscope.models import build_tiny_model, build_tokenizer, load_model
-from minscope.real_report import tau2_summary
+from minscope.real_eval import tau2_summary
 
 TINY = ["--groups", "2", "--group-size", "2", "--steps", "1", "--eval-every", "1", "--max-new-tokens", "8"]
 

@@ -278,7 +278,7 @@ def test_base_persuader_reads_cues_and_asks_when_the_probe_reveals_nothing(world
 
 
 def test_fidelity_check_passes_a_faithful_build_and_names_what_fails():
-    from minscope.toy_models import fidelity_problems
+    from minscope.toy_fidelity import fidelity_problems
 
     good = {"exploit_lm": 0.891, "exploit_exact": 0.988, "tv": 0.135, "vs_tv": 0.013}
     assert fidelity_problems(good) == []
@@ -287,7 +287,7 @@ def test_fidelity_check_passes_a_faithful_build_and_names_what_fails():
 
 
 def test_sampling_tv_floor_is_the_noise_of_a_perfect_sampler():
-    from minscope.toy_models import sampling_tv_floor
+    from minscope.toy_fidelity import sampling_tv_floor
 
     assert sampling_tv_floor([{"a": 1.0}], 64) == 0.0                    # nothing to miss
     # fair coin, 64 flips: E|k/64 - 1/2| = 0.0497 (exact binomial), the TV of two outcomes

@@ -10,19 +10,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minscope.verbalized import (
-    MAX_TEXT_CHARS,
     VS_INSTRUCTION,
-    Candidate,
     VSStats,
     distribution_entropy,
     draw,
     fallback,
     format_candidates,
-    parse_candidates,
-    parse_probability,
     pick,
     vs_instruction,
 )
+from minscope.verbalized_parse import MAX_TEXT_CHARS, Candidate, parse_candidates, parse_probability
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

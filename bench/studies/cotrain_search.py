@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from minscope import experiment, report  # noqa: E402
+from minscope import experiment, report_results, report_tables  # noqa: E402
 from minscope.files import read_jsonl  # noqa: E402
 
 DEFAULT_VARIANTS = ("single", "population", "population@sim_beta=0,sim_weight_decay=0,sim_epochs=2",
@@ -48,10 +48,10 @@ def row(method: str, r: dict) -> str:
     lo, hi = h.get("final_seed_ci95") or (None, None)       # t over seeds (None with one seed)
     pool = (r.get("pool_diversity") or {}).get("final", {})
     seeds = " ".join(f"{x:.3f}"[1:] for x in h["final_per_seed"])
-    return (f"| {method} | {report.mean_ci(h['final_mean'], [lo, hi])} | {seeds} | {h['selected_mean']:.3f} | "
-            f"{report.fmt(pool.get('pairwise_tv'))} / {report.fmt(pool.get('pairwise_floor'))} / "
-            f"{report.fmt(pool.get('pairwise_tv_excess'))} | {report.fmt(pool.get('exploit_value'))} | "
-            f"{report.fmt(pool.get('cue_rate'))} | {r['top_sequence'].replace(' | ', ', ')} |")
+    return (f"| {method} | {report_tables.mean_ci(h['final_mean'], [lo, hi])} | {seeds} | {h['selected_mean']:.3f} | "
+            f"{report_tables.fmt(pool.get('pairwise_tv'))} / {report_tables.fmt(pool.get('pairwise_floor'))} / "
+            f"{report_tables.fmt(pool.get('pairwise_tv_excess'))} | {report_tables.fmt(pool.get('exploit_value'))} | "
+            f"{report_tables.fmt(pool.get('cue_rate'))} | {r['top_sequence'].replace(' | ', ', ')} |")
 
 
 def main(argv=None):
@@ -80,7 +80,7 @@ def main(argv=None):
         run_dir = Path(a.out) / tag
         print(f"== {tag}: {', '.join(t for _, t in arms)} x seeds {a.seeds} -> {run_dir}", flush=True)
         experiment.run(cfg, run_dir=run_dir, cache_dir=a.cache_dir, resume=run_dir.exists())
-        results = report.summarize(read_jsonl(run_dir / "metrics.jsonl"), experiment.reference_values(cfg.gamma, cfg.world))
+        results = report_results.summarize(read_jsonl(run_dir / "metrics.jsonl"), experiment.reference_values(cfg.gamma, cfg.world))
         rows += [row(text, results["methods"][arm]) for arm, text in arms]
     print("\n| variant | real users, final (95% t over seeds) | per seed | at best panel ckpt | pool TV / floor / excess "
           "| exploit inside | cue rate | top final sequence |\n|---|---|---|---|---|---|---|---|")

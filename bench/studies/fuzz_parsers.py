@@ -5,7 +5,7 @@ every generation goes through one of these parsers during a rollout:
 
   toolcalls     minscope.toolcalls.parse_tool_calls       (tau2 agent turns)
   donation      minscope.envs.p4g_parse.parse_donation    (P4G persuadee turns)
-  vs            minscope.verbalized.parse_candidates      (Verbalized Sampling answers)
+  vs            minscope.verbalized_parse.parse_candidates (Verbalized Sampling answers)
   vs_fallback   minscope.verbalized.fallback              (when a VS answer cannot be read)
 
 For each parser the script runs `--count` seeded inputs: realistic outputs, each mutated a
@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from minscope.envs.p4g_parse import parse_donation  # noqa: E402
 from minscope.toolcalls import ParsedTurn, format_tool_call, parse_tool_calls  # noqa: E402
-from minscope.verbalized import Candidate, fallback, format_candidates, parse_candidates  # noqa: E402
+from minscope.verbalized import fallback, format_candidates  # noqa: E402
+from minscope.verbalized_parse import Candidate, parse_candidates  # noqa: E402
 
 # ----------------------------------------------------------------------- realistic outputs
 TOOL_SEEDS = [

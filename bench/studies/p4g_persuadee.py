@@ -39,7 +39,7 @@ def main(argv=None):
     from minscope.models import load_adapter, quiet
     from minscope.real_args import make_env, setting
     from minscope.real_models import build_real_method
-    from minscope.real_report import pick_checkpoint
+    from minscope.real_eval import pick_checkpoint
 
     quiet()
     config = Path(args.run_dir) / "config.json"
