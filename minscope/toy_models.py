@@ -107,7 +107,7 @@ class ToyModelConfig:
     workers: int = 0            # processes that train models in parallel (1 thread each; 0: one per core)
     attention: str = "sdpa"     # attention implementation ("eager" rounds differently: a new cache)
     world: int = 3              # version of the toy world's dynamics: bump it when they change
-    world_name: str = "suppression"   # which of envs.toy.WORLDS the models learn (train.py --world)
+    world_name: str = "suppression"   # which of envs.toy_world.WORLDS the models learn (train.py --world)
 
     def key(self) -> str:
         """The cache folder's name: a hash of everything the simulators depend on (these
