@@ -17,7 +17,7 @@ With --vs the server is the VS simulator: the VS instruction is appended to the 
 message, k candidates with probabilities are generated and one reply is drawn (parse
 failures are regenerated twice, then the raw text is used), so the client sees a plain chat
 model. Concurrent requests are batched: a worker thread takes every request waiting (up
-to --max-batch) and generates them in one `rollout.sample` call per temperature (left
+to --max-batch) and generates them in one `sampling.sample` call per temperature (left
 padding, EOS-aware decode). A request's `seed` is not honoured (rows share a batch).
 FastAPI + uvicorn: a standard, well-kept ASGI stack; one process holds the model (the HTTP
 side, routes and request checks, is minscope/serve_app.py).
@@ -52,7 +52,7 @@ import torch
 
 from . import verbalized
 from .chat import chat_format, strip_reasoning
-from .rollout import eos_token_ids, sample
+from .sampling import eos_token_ids, sample
 from .serve_app import MAX_BODY_BYTES, MAX_MESSAGES, Job, RequestError, build_app
 
 

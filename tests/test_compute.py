@@ -35,7 +35,7 @@ def test_parameter_count_is_the_base_plus_the_one_adapter_in_use(tokenizer):
 def test_a_cotraining_step_counts_its_streams_tokens_and_flops(policy, tokenizer):
     """WordGame: one simulator turn, then one policy turn. Each party's stream holds exactly what
     it was fed plus what it sampled, so the counts follow from the streams: prefilled = stream
-    length - sampled - the ids copied from a shared prefix (rollout.share_prefixes); trained =
+    length - sampled - the ids copied from a shared prefix (sampling.share_prefixes); trained =
     sampled tokens x epochs; with the update's prefix sharing off, every pass feeds the whole
     stream (tests/test_prefix.py checks the shared counts)."""
     from minscope.sft import encode_chat, pad_batch

@@ -18,7 +18,8 @@ from minscope import sandbox
 from minscope.envs import cooperbench_eval as ev
 from minscope.envs.base import Episode, Turn
 from minscope.envs.cooperbench import CooperBenchEnv, read_subset
-from minscope.rollout import rollout, view_messages
+from minscope.rollout import rollout
+from minscope.stream import view_messages
 from minscope.toolcalls import format_tool_call
 
 NAME = "toy_calc_task/task1"

@@ -505,7 +505,7 @@ def selfplay_step(parts, tokenizer, monkeypatch, symmetric: bool):
 
 
 def test_selfplay_takes_one_optimizer_step_on_both_roles_tokens(parts, tokenizer, monkeypatch):
-    from minscope.rollout import training_batch
+    from minscope.batch import training_batch
 
     episodes, steps, calls = selfplay_step(parts, tokenizer, monkeypatch, symmetric=False)
     assert len(steps) == 1 and len(calls) == 1                    # as many as RL (Single) takes

@@ -338,9 +338,10 @@ def test_a_simulator_update_moves_the_decision_it_is_paid_for(model_dirs):
     +1 on every episode raises the log-probability of the decisions it sampled (their sum: the
     episodes share parameters, so single ones may move either way), and from the same start
     one with -1 lowers it."""
+    from minscope.batch import training_batch
     from minscope.models import use_adapter
     from minscope.readout import DECISION_TOKENS
-    from minscope.rollout import LMSpeaker, rollout, training_batch
+    from minscope.rollout import LMSpeaker, rollout
     from minscope.simulators import Trainable
     from minscope.trainer import UpdateConfig, grpo_update, make_optimizer
 

@@ -8,7 +8,7 @@ import torch
 from minscope import prefix
 from minscope.envs.base import Episode
 from minscope.models import add_adapters, build_tiny_model, enable_checkpointing
-from minscope.rollout import Stream
+from minscope.stream import Stream
 from minscope.trainer import UpdateConfig, grpo_update, make_optimizer
 
 
@@ -126,7 +126,8 @@ def test_a_step_without_reward_signal_skips_the_update(tokenizer):
 
 # ----------------------------------------------------------------------------- the rollout
 from minscope.envs.base import Environment  # noqa: E402
-from minscope.rollout import LMSpeaker, rollout, sample  # noqa: E402
+from minscope.rollout import LMSpeaker, rollout  # noqa: E402
+from minscope.sampling import sample  # noqa: E402
 
 
 def test_sampling_with_shared_prefixes_draws_the_same_tokens(tiny_model, tokenizer):

@@ -2,9 +2,12 @@
 import pytest
 import torch
 
+from minscope.batch import training_batch
 from minscope.envs.base import Environment, Episode, Step, Turn
 from minscope.models import add_adapters
-from minscope.rollout import LMSpeaker, rollout, sample, training_batch, view_messages
+from minscope.rollout import LMSpeaker, rollout
+from minscope.sampling import sample
+from minscope.stream import view_messages
 
 
 class Chat(Environment):

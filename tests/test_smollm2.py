@@ -26,11 +26,12 @@ from safetensors.torch import load_file
 import train as train_cli
 from minscope import models as models_mod
 from minscope import runner
+from minscope.batch import training_batch
 from minscope.chat import chat_format
 from minscope.envs.p4g import P4GEnv
 from minscope.models import (add_adapters, adapter_nbytes, adapter_state, load_adapter_state, load_model,
                              resolve_checkpoint)
-from minscope.rollout import LMSpeaker, rollout, training_batch
+from minscope.rollout import LMSpeaker, rollout
 from minscope.simulators import Frozen, Population, Verbalized
 from minscope.trainer import UpdateConfig, grpo_update, make_optimizer, sequence_logprobs
 from test_chat_templates import Talk
@@ -175,7 +176,7 @@ def test_one_grpo_step_moves_the_policy_adapter_only(smol, p4g_episodes):
 
 
 def test_shared_prompt_prefixes_change_neither_the_episodes_nor_the_update(smol, p4g_episodes):
-    """Prefix sharing (rollout.share_prefixes, minscope/prefix.py) on SmolLM2: the same P4G
+    """Prefix sharing (sampling.share_prefixes, minscope/prefix.py) on SmolLM2: the same P4G
     episodes as a rollout that prefills every row whole (same seed), and the same loss and
     gradients as an update that feeds every row whole, for both parties' streams."""
     import copy
