@@ -66,8 +66,8 @@ def group_of(name: str) -> str:
 
 def decode(model, tok, batch: int, context: int, steps: int, adapters, profile: bool):
     """ms per decode step (and, with profile, ms per step per group) for one set-up."""
+    from minscope.adapters import use_adapter
     from minscope.kvcache import KVCache
-    from minscope.models import use_adapter
     from minscope.sampling import sample
 
     g = torch.Generator().manual_seed(0)
@@ -112,7 +112,8 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     from minscope import sampling
-    from minscope.models import add_adapters, load_model, quiet
+    from minscope.adapters import add_adapters
+    from minscope.models import load_model, quiet
 
     quiet()
     torch.set_num_threads(args.threads)

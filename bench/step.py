@@ -77,9 +77,9 @@ sys.path.insert(0, str(REPO))                     # run from anywhere: python be
 from minscope import methods as methods_mod  # noqa: E402
 from minscope import rollout as rollout_mod  # noqa: E402
 from minscope import sampling  # noqa: E402
+from minscope.adapters import adapter_state, add_adapters, load_adapter_state  # noqa: E402
 from minscope.envs.base import Environment, Step  # noqa: E402
-from minscope.models import (QWEN3_SHAPES, adapter_state, add_adapters, build_tokenizer,  # noqa: E402
-                             enable_checkpointing, load_adapter_state, load_model, model_device)
+from minscope.models import QWEN3_SHAPES, build_tokenizer, enable_checkpointing, load_model, model_device  # noqa: E402
 from minscope.rollout import LMSpeaker  # noqa: E402
 from minscope.simulators import Frozen  # noqa: E402
 from minscope.trainer import UpdateConfig  # noqa: E402

@@ -109,11 +109,22 @@ def _cache_kw(body) -> str:
     return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
 
 
+def final_hidden_states(model, input_ids, attention_mask) -> torch.Tensor:
+    """Run the transformer body only (no LM head), returning hidden states [B, T, H].
+
+    The LM head is applied by `logprobs.token_logprobs` in chunks, so no [B, T, V]
+    logits tensor is ever built during training.
+    """
+    body = model.get_base_model().model if hasattr(model, "get_base_model") else model.model
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+               use_cache=False)
+    return out.last_hidden_state
+
+
 def hidden_states(model, input_ids, attention_mask, prefix: int = 0) -> torch.Tensor:
     """Final hidden states [b, T - prefix, H] of positions prefix..T-1 of right-padded rows
     whose first `prefix` ids are the same in every row (prefix 0: the plain forward)."""
-    from .models import final_hidden_states
-
     if prefix <= 0:
         return final_hidden_states(model, input_ids, attention_mask)
     body = body_of(model)

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import torch
 
+from .adapters import add_adapters, load_adapter
 from .hardware import pick_dtype
 from .methods import build_method
 from .models import (
-    add_adapters,
     enable_checkpointing,
-    load_adapter,
     load_model,
     pick_device,
 )

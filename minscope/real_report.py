@@ -39,7 +39,7 @@ import torch
 
 from .evaluate import evaluate_panel, pass_hat_k, summarize
 from .files import RunFileError, read_json
-from .models import load_adapter
+from .adapters import load_adapter
 from .real_args import eval_tasks, make_env, setting
 from .real_models import build_models, models_thinking
 from .readout import low_coverage

@@ -21,7 +21,7 @@ from .chat import chat_format, strip_reasoning
 from .compute import parameter_count
 from .envs.base import Episode, Turn, turn_noise
 from .kvcache import KVCache, party_cache, session
-from .models import use_adapter
+from .adapters import use_adapter
 from .readout import DECISION_TOKENS, amount_tokens, expected_amount, read_tokens
 from .sampling import eos_token_ids, sample, tail_logits
 from .stream import Stream, ids_text, text_ids, view_messages, with_system_suffix

@@ -62,7 +62,8 @@ from .loop import Log, run_loop
 from .methods import train_step
 from .hardware import cpu_build_note, startup_line
 from .logprobs import backend_for
-from .models import adapter_state, load_adapter_state, model_device, save_adapter
+from .adapters import adapter_state, load_adapter_state, save_adapter
+from .models import model_device
 from .monitor import CollapseMonitor, MonitorConfig
 from .real_args import (
     check_args,

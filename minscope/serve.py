@@ -78,8 +78,9 @@ def is_run_folder(path: Path) -> bool:
 def load_target(target: str, adapter: str | None = None, step: str | None = None):
     """(model, tokenizer, adapter slot or None, description) for a run folder's adapter
     (policy | simulator | poolK) or a base model by name or path."""
+    from .adapters import load_adapter_state
     from .files import load_state, read_json
-    from .models import load_adapter_state, load_model
+    from .models import load_model
     from .real_models import _attach_adapter, adapter_folder
     from .served import is_spec
 
@@ -234,7 +235,7 @@ class Generator:
     def _sample(self, rows: list[tuple[list[int], float, int]]):
         """rows: (prompt ids, temperature, max tokens) -> [(ids, finished)] in order; one
         `sample` call per temperature."""
-        from .models import use_adapter
+        from .adapters import use_adapter
 
         out = [None] * len(rows)
         for temp in sorted({t for _, t, _ in rows}):

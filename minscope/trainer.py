@@ -24,12 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from . import distributed, prefix
+from .adapters import output_embedding, trainable_parameters, use_adapter
 from .batch import training_batch
 from .errors import RunStopped
 from .grpo import aggregation_weights, kl_log_ratio, token_loss
 from .logprobs import fused_grpo_token_loss, token_logprobs
-from .models import final_hidden_states, output_embedding, trainable_parameters, use_adapter
 from .precision import round_parameters, work_dtype
+from .prefix import final_hidden_states
 
 
 @dataclass

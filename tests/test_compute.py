@@ -4,10 +4,11 @@ whose counts follow from the token streams."""
 import pytest
 import torch
 
+from minscope.adapters import add_adapters, adapter_state
 from minscope.compute import parameter_count
 from minscope.envs.wordgame import Asker, WordGame
 from minscope.methods import build_method, train_step
-from minscope.models import add_adapters, adapter_state, build_tiny_model
+from minscope.models import build_tiny_model
 from minscope.rollout import LMSpeaker
 from minscope.simulators import Frozen
 from minscope.trainer import UpdateConfig

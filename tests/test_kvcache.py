@@ -6,10 +6,11 @@ import random
 import pytest
 import torch
 
+from minscope.adapters import add_adapters
 from minscope.batch import training_batch
 from minscope.envs.base import Environment, Step
 from minscope.kvcache import KVCache, session
-from minscope.models import add_adapters, build_tiny_model
+from minscope.models import build_tiny_model
 from minscope.rollout import LMSpeaker, rollout
 from minscope.sampling import sample
 from minscope.trainer import sequence_logprobs

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from minscope import lean, sampling
+from minscope.adapters import add_adapters, use_adapter
 from minscope.kvcache import KVCache
-from minscope.models import add_adapters, build_tiny_model, use_adapter
+from minscope.models import build_tiny_model
 from minscope.precision import to_float64
 
 
