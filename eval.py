@@ -56,9 +56,9 @@ def reevaluate_toy(run_dir: Path, cfg, episodes: int, meter: bool, cache_dir) ->
     import torch
 
     from minscope import experiment
+    from minscope.adapters import load_adapter_state
     from minscope.evaluate import collapse_meter, evaluate_panel
     from minscope.files import load_state
-    from minscope.models import load_adapter_state
     from minscope.report_results import label
     from minscope.report_tables import fmt
 

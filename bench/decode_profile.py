@@ -3,7 +3,7 @@
 A decode step feeds one token per row through the whole model, so it must read every weight
 once: weights bytes / the machine's memory bandwidth is its floor (the bandwidth measured in
 the same run, by summing a 1 GiB float32 tensor). This script fills a kept KV cache with a
---context-token prompt per row (minscope's own `rollout.sample` and `KVCache`, as a rollout
+--context-token prompt per row (minscope's own `sampling.sample` and `KVCache`, as a rollout
 does), then times --steps decode steps and profiles them (torch.profiler, self CPU time per op,
 grouped: matrix products, attention, sampling, cache bookkeeping, the rest). "Python and
 dispatch" is the step's wall time not spent inside any op. Two adapter set-ups, as the methods
@@ -14,7 +14,7 @@ decode:
   per-row     the rows spread over --pool adapters (Population Co-Training's pool snapshots:
               peft's mixed-adapter batch, one sub-batch per adapter in every LoRA layer)
 
-Each set-up runs through both forward paths of `rollout.sample`, side by side in one process:
+Each set-up runs through both forward paths of `sampling.sample`, side by side in one process:
 "general" (transformers + peft's forward) and "lean" (minscope/lean.py, the default for Llamas
 on the CPU: the same operations, bit-identical, without the general path's per-layer Python;
 --paths lean or general runs one).
@@ -67,9 +67,9 @@ def group_of(name: str) -> str:
 
 def decode(model, tok, batch: int, context: int, steps: int, adapters, profile: bool):
     """ms per decode step (and, with profile, ms per step per group) for one set-up."""
+    from minscope.adapters import use_adapter
     from minscope.kvcache import KVCache
-    from minscope.models import use_adapter
-    from minscope.rollout import sample
+    from minscope.sampling import sample
 
     g = torch.Generator().manual_seed(0)
     vocab = len(tok)
@@ -114,8 +114,9 @@ def main(argv=None):
     print("command: " + shlex.join(["python", "bench/decode_profile.py", *(sys.argv[1:] if argv is None else argv)]),
           flush=True)
 
-    from minscope import rollout
-    from minscope.models import add_adapters, load_model, quiet
+    from minscope import sampling
+    from minscope.adapters import add_adapters
+    from minscope.models import load_model, quiet
 
     quiet()
     torch.set_num_threads(args.threads)
@@ -137,7 +138,7 @@ def main(argv=None):
         for label, adapters in (("base", [None] * batch), ("single", [names[0]] * batch),
                                 ("per-row", [names[i % args.pool] for i in range(batch)])):
             for path in args.paths.split(","):
-                rollout.LEAN = path == "lean"
+                sampling.LEAN = path == "lean"
                 wall, _ = decode(model, tok, batch, args.context, args.steps, adapters, profile=False)
                 _, groups = decode(model, tok, batch, args.context, args.steps, adapters, profile=True)
                 inside = sum(groups.values())

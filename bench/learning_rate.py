@@ -32,8 +32,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from minscope import learning, methods, trainer  # noqa: E402
+from minscope.adapters import add_adapters  # noqa: E402
 from minscope.envs.numbers import Numbers  # noqa: E402
-from minscope.models import add_adapters, load_model, quiet  # noqa: E402
+from minscope.models import load_model, quiet  # noqa: E402
 from minscope.rollout import LMSpeaker  # noqa: E402
 
 

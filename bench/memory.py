@@ -92,11 +92,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/memory.py
 from minscope import grpo, trainer  # noqa: E402
+from minscope.adapters import adapter_nbytes, add_adapters, lora_parameters  # noqa: E402
+from minscope.batch import training_batch  # noqa: E402
 from minscope.envs.base import Episode, Turn  # noqa: E402
-from minscope.models import (QWEN3_SHAPES, adapter_nbytes, add_adapters, build_tokenizer,  # noqa: E402
-                             load_model, lora_parameters)
-from minscope.rollout import Stream, training_batch  # noqa: E402
+from minscope.models import QWEN3_SHAPES, build_tokenizer, load_model  # noqa: E402
 from minscope.simulators import Population  # noqa: E402
+from minscope.stream import Stream  # noqa: E402
 
 # Qwen3 shapes: the real ones (minscope.models.QWEN3_SHAPES) and a tiny one for CPU checks.
 SHAPES = {

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from minscope import experiment, methods, rollout, sft  # noqa: E402
+from minscope import experiment, methods, rollout, sampling, sft  # noqa: E402
 from minscope.models import quiet  # noqa: E402
 
 
@@ -93,7 +93,7 @@ def instrument(prof: Profiler):
     prof.wrap(methods, "anchor_step", "update")
     prof.wrap(rollout.LMSpeaker, "_sample",
               lambda self, *a, **kw: "policy" if self.role == "agent" else "simulator")
-    prof.wrap(rollout._Forward, "__call__",
+    prof.wrap(sampling._Forward, "__call__",
               lambda self, input_ids, *a, **kw: "prefill" if input_ids.shape[1] > 1 else "decode")
     prof.wrap(sft, "encode_chat", "sft_data")
 
@@ -116,7 +116,7 @@ def profile_arm(toy, method: str, steps: int, run_dir: Path) -> dict:
     saved = {k: getattr(experiment, k) for k in ("eval_record", "collapse_meter", "measure_pool",
                                                  "save_atomic", "train_step")}
     saved_m = {k: getattr(methods, k) for k in ("rollout", "grpo_update", "anchor_step")}
-    saved_r = (rollout.LMSpeaker._sample, rollout._Forward.__call__)
+    saved_r = (rollout.LMSpeaker._sample, sampling._Forward.__call__)
     instrument(prof)
     t0, c0 = time.perf_counter(), time.process_time()
     try:
@@ -127,7 +127,7 @@ def profile_arm(toy, method: str, steps: int, run_dir: Path) -> dict:
             setattr(experiment, k, v)
         for k, v in saved_m.items():
             setattr(methods, k, v)
-        rollout.LMSpeaker._sample, rollout._Forward.__call__ = saved_r
+        rollout.LMSpeaker._sample, sampling._Forward.__call__ = saved_r
     prof._flush()
     return {"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0, "time": dict(prof.time),
             "calls": dict(prof.calls)}

@@ -43,7 +43,7 @@ over the step (CUDA only). With --repeats N each mode runs N steps, the modes in
 (a loaded machine slows whichever runs when it is busiest), and the table shows medians.
 
 --prefix-sharing on|off|both: whether a group's shared prompt prefix is prefilled once in the
-rollout (rollout.share_prefixes) and fed forward once per micro-batch in the update
+rollout (sampling.share_prefixes) and fed forward once per micro-batch in the update
 (minscope/prefix.py); `both` runs every mode both ways (interleaved) and prints, per pair, the
 rollout and update times, the prefilled ids and the update's forward tokens (policy and
 reference passes, and the simulator's update where there is one).
@@ -77,9 +77,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))                     # run from anywhere: python bench/step.py
 from minscope import methods as methods_mod  # noqa: E402
 from minscope import rollout as rollout_mod  # noqa: E402
+from minscope import sampling  # noqa: E402
+from minscope.adapters import adapter_state, add_adapters, load_adapter_state  # noqa: E402
 from minscope.envs.base import Environment, Step  # noqa: E402
-from minscope.models import (QWEN3_SHAPES, adapter_state, add_adapters, build_tokenizer,  # noqa: E402
-                             enable_checkpointing, load_adapter_state, load_model, model_device)
+from minscope.models import QWEN3_SHAPES, build_tokenizer, enable_checkpointing, load_model, model_device  # noqa: E402
 from minscope.rollout import LMSpeaker  # noqa: E402
 from minscope.simulators import Frozen  # noqa: E402
 from minscope.trainer import UpdateConfig  # noqa: E402
@@ -285,7 +286,7 @@ def legacy_sample(model, prompts, pad_id, eos_ids, max_new_tokens, temperature=1
     out_ids, out_logp = [[] for _ in range(B)], [[] for _ in range(B)]
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
-    past, kw = None, rollout_mod._cache_kwarg(model)
+    past, kw = None, sampling._cache_kwarg(model)
     step_ids, step_pos = input_ids, position
     for _ in range(max_new_tokens):
         out = model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos,

@@ -1,6 +1,6 @@
 """Chat templates for token streams: render each turn's NEW messages only.
 
-A party's token stream (`rollout.Stream`) must only ever grow by appending, because its
+A party's token stream (`stream.Stream`) must only ever grow by appending, because its
 sampled tokens are trained on exactly as they were sampled. The obvious way to extend it,
 re-rendering the whole conversation and taking the text after what the stream already
 holds, breaks on real chat templates:

@@ -54,7 +54,7 @@ _COUNTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def parameter_count(model, adapter: str | None = None) -> int:
     """N of `model` run through `adapter`: every base parameter (shared, tied tensors once) plus
     that adapter's LoRA parameters (None: the base alone). Cached per model and adapter."""
-    from .models import lora_parameters
+    from .adapters import lora_parameters
 
     counts = _COUNTS.setdefault(model, {})
     if adapter not in counts:

@@ -42,7 +42,7 @@ from .evaluate import collapse_meter, eval_seed, evaluate_panel, isolated_rng
 from .files import RunLock, load_state, save_atomic, write_text_atomic
 from .loop import Log, run_loop
 from .methods import Method, train_step
-from .models import adapter_state, load_adapter_state
+from .adapters import adapter_state, load_adapter_state
 from .precision import rounded
 from .monitor import CollapseMonitor
 from .runfolder import MetricsLog, arm_name, check_saved_arms

@@ -1,4 +1,4 @@
-"""A lean forward pass for Llama models on the CPU, used by `rollout.sample`.
+"""A lean forward pass for Llama models on the CPU, used by `sampling.sample`.
 
 The toy's models are 64 wide and 2 layers deep: one decode step of 64 conversations is
 about a millisecond of arithmetic, and the general forward of transformers + peft spends
@@ -34,7 +34,7 @@ from .precision import wide, widen
 def lean_forward(model):
     """A function (input_ids, mask, position_ids, cache, adapter_names, keep=1) -> last logits [B, V]
     (or the last `keep` positions' [B, keep, V])
-    equivalent to `model(...)` as `rollout._Forward` calls it, or None if `model` is not a
+    equivalent to `model(...)` as `sampling._Forward` calls it, or None if `model` is not a
     Llama (with or without vanilla LoRA adapters) on the CPU."""
     try:
         from peft import PeftModel

@@ -15,9 +15,9 @@ import time
 
 import torch
 
+from .adapters import adapter_state, load_adapter_state
 from .loop import run_loop
 from .methods import build_method, train_step
-from .models import adapter_state, load_adapter_state
 from .rollout import LMSpeaker, rollout
 from .trainer import UpdateConfig
 
@@ -69,7 +69,7 @@ def train(policy: LMSpeaker, env, steps: int, lr: float, seed: int, groups: int 
 
 
 def reset(policy: LMSpeaker, state: dict) -> None:
-    """Put the policy's adapter back to `state` (from `models.adapter_state`)."""
+    """Put the policy's adapter back to `state` (from `adapters.adapter_state`)."""
     load_adapter_state(policy.model, policy.adapter, state)
 
 

@@ -74,7 +74,7 @@ def token_logprobs(hidden, weight, targets, temperature: float = 1.0, return_ent
     """Log-probs of `targets` under softmax(hidden @ weight.T / temperature).
 
     hidden [..., H] (e.g. [B, T, H] or [N, H]); weight [V, H] (the LM head, see
-    `models.output_embedding`); targets [...] int ids in [0, V). Returns fp32 log-probs
+    `adapters.output_embedding`); targets [...] int ids in [0, V). Returns fp32 log-probs
     [...], and with `return_entropy` also the fp32 entropy [...] of each token's
     distribution (detached). Differentiable w.r.t. hidden and, when it requires grad, weight.
     """

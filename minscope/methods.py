@@ -168,7 +168,7 @@ def simulator_advantages(sim_rewards: torch.Tensor, group_size: int, reward: str
 
 def anchor_step(m: Method) -> float:
     """One weighted SFT step of the trainable simulator on real transcripts; returns the NLL."""
-    from .models import trainable_parameters, use_adapter
+    from .adapters import trainable_parameters, use_adapter
     from .sft import nll
 
     model, adapter = m.partner.model, m.partner.trainable_adapter

@@ -1,4 +1,4 @@
-"""Shared-prefix forward passes for the update: a micro-batch's common prompt prefix once.
+"""The update's forward pass: the final hidden states of each unit, its shared prompt prefix once.
 
 Every episode of a group starts from the same prompt (system prompt, persona, task), and
 often every group does (the persuader's system prompt is the same for every persona). The
@@ -30,6 +30,11 @@ shared prefix of at least `min_prefix` ids, and plain micro-batches of the rest.
 where extending it would shrink its prefix by more than it saves: two P4G groups share the
 persuadee prompt's first ~100 ids but each its own ~420-id persona prompt, so each group is
 its own unit, not one unit sharing 100 ids.
+
+`unit_hidden_states` is the one call the update (minscope/trainer.py) makes per unit: it
+returns the hidden states that meet the LM head in minscope/logprobs.py, with the prefix, the
+cache and the checkpointing all inside it. A unit that shares nothing is the plain forward
+(`final_hidden_states`: the transformer body only, no LM head).
 """
 
 from __future__ import annotations
@@ -109,11 +114,18 @@ def _cache_kw(body) -> str:
     return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
 
 
+def unit_hidden_states(model, input_ids, attention_mask, unit) -> torch.Tensor:
+    """The update's forward pass of one unit (rows, prefix, length) of `plan`: the final hidden
+    states [b, length - 1 - prefix, H] of its rows at the positions prefix..length-2, those
+    whose next token may carry loss. The unit's shared prefix is fed once (`hidden_states`),
+    and the layers may keep its keys and values under activation checkpointing."""
+    rows, p, n = unit
+    return hidden_states(model, input_ids[rows, :n], attention_mask[rows, :n], p)[:, :-1]
+
+
 def hidden_states(model, input_ids, attention_mask, prefix: int = 0) -> torch.Tensor:
     """Final hidden states [b, T - prefix, H] of positions prefix..T-1 of right-padded rows
     whose first `prefix` ids are the same in every row (prefix 0: the plain forward)."""
-    from .models import final_hidden_states
-
     if prefix <= 0:
         return final_hidden_states(model, input_ids, attention_mask)
     body = body_of(model)
@@ -142,6 +154,19 @@ def hidden_states(model, input_ids, attention_mask, prefix: int = 0) -> torch.Te
         out = body(input_ids=input_ids[:, prefix:], attention_mask=allowed,
                    position_ids=(prefix + torch.arange(S, device=device))[None].expand(b, S),
                    use_cache=True, **{kw: kv})
+    return out.last_hidden_state
+
+
+def final_hidden_states(model, input_ids, attention_mask) -> torch.Tensor:
+    """Run the transformer body only (no LM head), returning hidden states [B, T, H].
+
+    The LM head is applied by `logprobs.token_logprobs` in chunks, so no [B, T, V]
+    logits tensor is ever built during training.
+    """
+    body = model.get_base_model().model if hasattr(model, "get_base_model") else model.model
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+               use_cache=False)
     return out.last_hidden_state
 
 

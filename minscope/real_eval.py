@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .adapters import load_adapter
 from .evaluate import evaluate_panel, pass_hat_k, summarize
 from .files import RunFileError, read_json
-from .models import load_adapter
 from .real_args import eval_tasks, make_env
 from .real_models import build_models, models_thinking
 

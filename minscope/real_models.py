@@ -14,12 +14,11 @@ from pathlib import Path
 
 import torch
 
+from .adapters import add_adapters, load_adapter
 from .hardware import pick_dtype
 from .methods import build_method
 from .models import (
-    add_adapters,
     enable_checkpointing,
-    load_adapter,
     load_model,
     pick_device,
 )
@@ -205,7 +204,7 @@ def build_real_method(args, env, personas):
         for model in _trained_models(models, method):
             enable_checkpointing(model.get_base_model())
     set_thinking(method, models, getattr(args, "thinking", False))
-    for speaker in speakers_of(method, models):     # ... and once in the rollout (rollout.share_prefixes)
+    for speaker in speakers_of(method, models):     # ... and once in the rollout (sampling.share_prefixes)
         speaker.share_prefix = sharing
     return models, method
 

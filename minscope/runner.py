@@ -53,6 +53,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import distributed
+from .batch import StreamError
 from .envs.base import task_label
 from .evaluate import eval_seed, evaluate_panel, isolated_rng
 from .files import RunFileError, RunLock, read_jsonl, save_atomic, truncate_log, write_text_atomic
@@ -61,7 +62,8 @@ from .loop import Log, run_loop
 from .methods import train_step
 from .hardware import cpu_build_note, startup_line
 from .logprobs import backend_for
-from .models import adapter_state, load_adapter_state, model_device, save_adapter
+from .adapters import adapter_state, load_adapter_state, save_adapter
+from .models import model_device
 from .monitor import CollapseMonitor, MonitorConfig
 from .real_args import (
     check_args,
@@ -74,7 +76,7 @@ from .real_args import (
 from .real_models import Models, build_real_method, default_rollout_batch, eval_panel
 from .real_report import format_episode, write_real_report
 from .readout import low_coverage
-from .rollout import StreamError, rollout_batch
+from .rollout import rollout_batch
 from .runfolder import check_resume_steps, format_fields, read_log
 from .served import served_speakers, take_usage
 

@@ -17,7 +17,7 @@ With --vs the server is the VS simulator: the VS instruction is appended to the 
 message, k candidates with probabilities are generated and one reply is drawn (parse
 failures are regenerated twice, then the raw text is used), so the client sees a plain chat
 model. Concurrent requests are batched: a worker thread takes every request waiting (up
-to --max-batch) and generates them in one `rollout.sample` call per temperature (left
+to --max-batch) and generates them in one `sampling.sample` call per temperature (left
 padding, EOS-aware decode). A request's `seed` is not honoured (rows share a batch).
 FastAPI + uvicorn: a standard, well-kept ASGI stack; one process holds the model (the HTTP
 side, routes and request checks, is minscope/serve_app.py).
@@ -52,7 +52,7 @@ import torch
 
 from . import verbalized
 from .chat import chat_format, strip_reasoning
-from .rollout import eos_token_ids, sample
+from .sampling import eos_token_ids, sample
 from .serve_app import MAX_BODY_BYTES, MAX_MESSAGES, Job, RequestError, build_app
 
 
@@ -78,8 +78,9 @@ def is_run_folder(path: Path) -> bool:
 def load_target(target: str, adapter: str | None = None, step: str | None = None):
     """(model, tokenizer, adapter slot or None, description) for a run folder's adapter
     (policy | simulator | poolK) or a base model by name or path."""
+    from .adapters import load_adapter_state
     from .files import load_state, read_json
-    from .models import load_adapter_state, load_model
+    from .models import load_model
     from .real_models import _attach_adapter, adapter_folder
     from .served import is_spec
 
@@ -234,7 +235,7 @@ class Generator:
     def _sample(self, rows: list[tuple[list[int], float, int]]):
         """rows: (prompt ids, temperature, max tokens) -> [(ids, finished)] in order; one
         `sample` call per temperature."""
-        from .models import use_adapter
+        from .adapters import use_adapter
 
         out = [None] * len(rows)
         for temp in sorted({t for _, t, _ in rows}):

@@ -54,7 +54,7 @@ import zlib
 from .chat import strip_reasoning
 from .envs.base import Turn
 from .errors import RunStopped
-from .rollout import view_messages, with_system_suffix
+from .stream import view_messages, with_system_suffix
 
 SPEC = re.compile(r"^openai:(?P<model>.+?)@(?P<url>https?://\S+)$")
 KEY_VARS = ("MINSCOPE_API_KEY", "OPENAI_API_KEY")

@@ -13,9 +13,10 @@ import random
 import torch
 from tqdm.auto import tqdm
 
+from .adapters import output_embedding
 from .logprobs import token_logprobs
-from .models import final_hidden_states, output_embedding
 from .precision import round_parameters
+from .prefix import final_hidden_states
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:

@@ -22,7 +22,7 @@ import random
 from collections import deque
 
 from .envs.base import Turn
-from .models import adapter_nbytes, adapter_state, has_adapter, load_adapter_state
+from .adapters import adapter_nbytes, adapter_state, has_adapter, load_adapter_state
 from .rollout import LMSpeaker
 from . import verbalized
 

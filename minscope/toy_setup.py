@@ -17,7 +17,7 @@ from .envs.toy_world import World
 from .diversity import member_profile
 from .evaluate import isolated_rng
 from .methods import Method, build_method
-from .models import add_adapters
+from .adapters import add_adapters
 from .monitor import MonitorConfig
 from .rollout import LMSpeaker
 from .sft import AnchorBatches, encode_chat

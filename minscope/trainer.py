@@ -2,10 +2,16 @@
 Co-Training, for the simulator: the same loss on the other party's tokens).
 
     episodes ──► training_batch(key)  ids, mask of this party's sampled tokens, old logp
-             ──► final_hidden_states ──► fused_grpo_token_loss(hidden, LM head, old_logp,
-                 ref_logp, A, weights): the GRPO loss with the LM head fused in (no [B,T,V]
-                 logits; the gradient w.r.t. the hidden states is made in the same pass)
+             ──► update_units  micro-batches of rows, each feeding its shared prompt prefix once
+             ──► per unit: prefix.unit_hidden_states ──► fused_grpo_token_loss(hidden, LM head,
+                 old_logp, ref_logp, A, weights): the GRPO loss with the LM head fused in (no
+                 [B,T,V] logits; the gradient w.r.t. the hidden states is made in the same pass)
              ──► backward ──► clip ──► AdamW
+
+Read top-down, each file is entered once: the batch (minscope/batch.py), the adapter trained
+and its LM head (minscope/adapters.py), a unit's hidden states (minscope/prefix.py: feeding
+the shared prompt prefix once and keeping it under activation checkpointing happen inside that
+one call), then the log-probs (minscope/logprobs.py), whose kernels are all that is below them.
 
 The GRPO loss is a weighted sum over tokens of a function of each token's own log-prob
 (every aggregation is a choice of weights), which is what lets `fused_grpo_token_loss`
@@ -24,12 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from . import distributed, prefix
+from .adapters import output_embedding, trainable_parameters, use_adapter
+from .batch import training_batch
 from .errors import RunStopped
 from .grpo import aggregation_weights, kl_log_ratio, token_loss
 from .logprobs import fused_grpo_token_loss, token_logprobs
-from .models import final_hidden_states, output_embedding, trainable_parameters, use_adapter
 from .precision import round_parameters, work_dtype
-from .rollout import training_batch
 
 
 @dataclass
@@ -71,7 +77,7 @@ def make_optimizer(model, adapter: str, cfg: UpdateConfig):
 def sequence_logprobs(model, input_ids, attention_mask, temperature: float, adapter, backend: str = "auto"):
     """Log-probs [B, T-1] of each next token under `adapter` (None: the base model)."""
     with use_adapter(model, adapter):
-        hidden = final_hidden_states(model, input_ids, attention_mask)[:, :-1]   # [B, T-1, H]
+        hidden = prefix.hidden_states(model, input_ids, attention_mask)[:, :-1]   # [B, T-1, H]
         return token_logprobs(hidden, output_embedding(model), input_ids[:, 1:], temperature=temperature,
                               backend=backend)
 
@@ -125,7 +131,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
         ref = torch.zeros_like(old)
         with torch.no_grad():
             for rows, p, n in units:
-                ref[rows, p:n - 1] = unit_logprobs(model, ids[rows, :n], attn[rows, :n], p, cfg.temperature,
+                ref[rows, p:n - 1] = unit_logprobs(model, ids, attn, (rows, p, n), cfg.temperature,
                                                    adapter=None, backend=cfg.logprob_backend)
     # this adapter's parameters, kept as a list: peft flips requires_grad whenever the active
     # adapter changes (use_adapter restores the model's default on exit), so it cannot tell
@@ -145,7 +151,7 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
             ref_sl = None if ref is None else ref[sl]
             adv_tok = adv[rows, None].expand_as(old[sl])
             with use_adapter(model, adapter):
-                hidden = prefix.hidden_states(model, ids[rows, :n], attn[rows, :n], p)[:, :-1]  # [b, n-1-p, H]
+                hidden = prefix.unit_hidden_states(model, ids, attn, (rows, p, n))   # [b, n-1-p, H]
                 # weights already hold the batch normaliser; logp and ent come back detached
                 loss, logp, ent = fused_grpo_token_loss(
                     hidden, output_embedding(model), ids[rows, p + 1:n], old[sl], ref_sl, adv_tok, weights[sl],
@@ -210,12 +216,14 @@ def update_units(model, ids, attn, mask, cfg: UpdateConfig):
     return [(list(range(s, min(s + cfg.micro_batch, B))), 0, T) for s in range(0, B, cfg.micro_batch)]
 
 
-def unit_logprobs(model, input_ids, attention_mask, shared: int, temperature: float, adapter,
+def unit_logprobs(model, input_ids, attention_mask, unit, temperature: float, adapter,
                   backend: str = "auto"):
-    """Log-probs [b, T-1-shared] of the next tokens after position `shared` (prefix.hidden_states)."""
+    """Log-probs [b, n-1-p] of the next tokens of a unit (rows, p, n) after position p
+    (prefix.unit_hidden_states)."""
+    rows, p, n = unit
     with use_adapter(model, adapter):
-        hidden = prefix.hidden_states(model, input_ids, attention_mask, shared)[:, :-1]
-        return token_logprobs(hidden, output_embedding(model), input_ids[:, shared + 1:], temperature=temperature,
+        hidden = prefix.unit_hidden_states(model, input_ids, attention_mask, unit)
+        return token_logprobs(hidden, output_embedding(model), input_ids[rows, p + 1:n], temperature=temperature,
                               backend=backend)
 
 
@@ -232,7 +240,7 @@ def recompute_old_logprobs(model, ids, attn, mask, old, units, samplers, cfg: Up
         for rows, p, n in units:
             for name in dict.fromkeys(samplers[r] for r in rows):
                 sub = [r for r in rows if samplers[r] == name]
-                lp = unit_logprobs(model, ids[sub, :n], attn[sub, :n], p, cfg.temperature, adapter=name,
+                lp = unit_logprobs(model, ids, attn, (sub, p, n), cfg.temperature, adapter=name,
                                    backend=cfg.logprob_backend)
                 keep = mask[sub, p:n - 1].bool()
                 out[sub, p:n - 1] = torch.where(keep, lp.to(out.dtype), out[sub, p:n - 1])

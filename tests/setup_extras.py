@@ -16,7 +16,7 @@
 
 Plain Python, so the same line works on Linux, macOS and Windows. Run again, it changes
 nothing (pip finds every pin already satisfied). The pins here are the ones the error messages
-of minscope/envs/tau2.py and minscope/models.py name (tests/test_repo_files.py checks it).
+of minscope/envs/tau2.py and minscope/checkpoints.py name (tests/test_repo_files.py checks it).
 """
 import subprocess
 import sys

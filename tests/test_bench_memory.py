@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from minscope import trainer
+from minscope.adapters import add_adapters
 from minscope.logprobs import token_logprobs
-from minscope.models import add_adapters, build_tiny_model
+from minscope.models import build_tiny_model
 
 PATH = Path(__file__).resolve().parents[1] / "bench" / "memory.py"
 spec = importlib.util.spec_from_file_location("bench_memory", PATH)

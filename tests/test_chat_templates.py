@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from minscope.batch import training_batch
 from minscope.chat import ChatFormat, chat_format, strip_reasoning
 from minscope.envs.base import Environment, Episode, Turn
 from minscope.models import CHATML_TEMPLATE, build_tiny_model, build_tokenizer
-from minscope.rollout import LMSpeaker, Stream, rollout, training_batch, view_messages
+from minscope.rollout import LMSpeaker, rollout
+from minscope.stream import Stream, view_messages
 from minscope.trainer import sequence_logprobs
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"

@@ -97,7 +97,7 @@ def test_an_lm_speaker_with_fixed_noise_draws_the_same_tokens_and_reacts(tokeniz
 def test_sampling_with_uniforms_is_the_inverse_cdf(tokenizer):
     """Token = the first whose cumulative probability exceeds u, its log-prob the model's."""
     from minscope.models import build_tiny_model
-    from minscope.rollout import sample
+    from minscope.sampling import sample
 
     torch.manual_seed(0)
     model = build_tiny_model(tokenizer, "qwen3", hidden_size=32)

@@ -4,10 +4,11 @@ whose counts follow from the token streams."""
 import pytest
 import torch
 
+from minscope.adapters import add_adapters, adapter_state
 from minscope.compute import parameter_count
 from minscope.envs.wordgame import Asker, WordGame
 from minscope.methods import build_method, train_step
-from minscope.models import add_adapters, adapter_state, build_tiny_model
+from minscope.models import build_tiny_model
 from minscope.rollout import LMSpeaker
 from minscope.simulators import Frozen
 from minscope.trainer import UpdateConfig
@@ -35,7 +36,7 @@ def test_parameter_count_is_the_base_plus_the_one_adapter_in_use(tokenizer):
 def test_a_cotraining_step_counts_its_streams_tokens_and_flops(policy, tokenizer):
     """WordGame: one simulator turn, then one policy turn. Each party's stream holds exactly what
     it was fed plus what it sampled, so the counts follow from the streams: prefilled = stream
-    length - sampled - the ids copied from a shared prefix (rollout.share_prefixes); trained =
+    length - sampled - the ids copied from a shared prefix (sampling.share_prefixes); trained =
     sampled tokens x epochs; with the update's prefix sharing off, every pass feeds the whole
     stream (tests/test_prefix.py checks the shared counts)."""
     from minscope.sft import encode_chat, pad_batch

@@ -20,7 +20,8 @@ from minscope.envs import cooperbench_local as cb_local
 from minscope.envs import cooperbench_task as cb_task
 from minscope.envs.base import Episode, Turn
 from minscope.envs.cooperbench import CooperBenchEnv, read_subset
-from minscope.rollout import rollout, view_messages
+from minscope.rollout import rollout
+from minscope.stream import view_messages
 from minscope.toolcalls import format_tool_call
 
 NAME = "toy_calc_task/task1"

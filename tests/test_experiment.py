@@ -122,7 +122,7 @@ def test_arms_in_this_process_train_on_one_thread_like_the_workers(tmp_path, cac
 def test_final_checkpoint_reevaluates_to_the_logged_number(cache, straight):
     import torch
 
-    from minscope.models import load_adapter_state
+    from minscope.adapters import load_adapter_state
 
     cfg, run_dir = straight
     logged = [r for r in of(records(run_dir), ("single",)) if r["kind"] == "eval"][-1]

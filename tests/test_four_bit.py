@@ -60,7 +60,8 @@ def test_load_in_4bit_reads_a_converted_gguf_checkpoint_onto_the_device_asked(mo
     """The converted config's GGUF note is dropped (transformers would refuse to merge it with a
     BitsAndBytesConfig), and device_map pins the base to the run's device (no cuda:0 by default)."""
 
-    from minscope.models import four_bit_kwargs, resolve_checkpoint
+    from minscope.checkpoints import resolve_checkpoint
+    from minscope.models import four_bit_kwargs
 
     monkeypatch.setenv("MINSCOPE_CACHE", str(CACHE))
     kw = four_bit_kwargs(resolve_checkpoint("smollm2"), torch.float32, "cpu", offline=True)

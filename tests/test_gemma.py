@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from minscope.chat import chat_format
+from minscope.checkpoints import resolve_checkpoint
 from minscope.envs.p4g import READOUTS, P4GEnv
-from minscope.models import load_model, resolve_checkpoint
+from minscope.models import load_model
 from minscope.readout import amount_tokens
 from minscope.rollout import LMSpeaker, rollout
 from minscope.simulators import Frozen

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from minscope import files
+from minscope.adapters import add_adapters
 from minscope.envs.wordgame import Asker, WordGame
 from minscope.methods import build_method
-from minscope.models import add_adapters, build_tiny_model
+from minscope.models import build_tiny_model
 from minscope.rollout import LMSpeaker, rollout
 from minscope.runfolder import FORMAT_VERSION
 from minscope.served import ServedError, ServedSpeaker

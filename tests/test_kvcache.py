@@ -6,10 +6,13 @@ import random
 import pytest
 import torch
 
+from minscope.adapters import add_adapters
+from minscope.batch import training_batch
 from minscope.envs.base import Environment, Step
 from minscope.kvcache import KVCache, session
-from minscope.models import add_adapters, build_tiny_model
-from minscope.rollout import LMSpeaker, rollout, sample, training_batch
+from minscope.models import build_tiny_model
+from minscope.rollout import LMSpeaker, rollout
+from minscope.sampling import sample
 from minscope.trainer import sequence_logprobs
 
 EOS = set(range(3, 300, 7))          # ~1 token in 7 ends a turn: rows finish at different steps
@@ -155,7 +158,7 @@ def test_rollout_streams_train_on_the_logprobs_they_were_sampled_with(tiny_model
         for role, count in ep.info["tokens"].items():
             stream = ep.info["streams"][role]
             assert count["generated"] == sum(len(t.token_ids) for t in ep.turns if t.role == role)
-            if stream.exact:     # each id fed once (or copied from a shared prefix, rollout.share_prefixes);
+            if stream.exact:     # each id fed once (or copied from a shared prefix, sampling.share_prefixes);
                 # each turn's last sampled id fed again next turn
                 assert count["prefilled"] + count["shared"] + count["generated"] - n[role] + 1 == len(stream.ids)
 

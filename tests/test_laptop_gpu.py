@@ -158,7 +158,8 @@ def test_the_ratio_at_an_unchanged_policy_is_1_in_bfloat16():
     (`ratio_dev_max`). Without the recomputation the same episodes' ratios stray."""
     from test_chat_templates import Talk, make_tokenizer
 
-    from minscope.models import add_adapters, build_tiny_model
+    from minscope.adapters import add_adapters
+    from minscope.models import build_tiny_model
     from minscope.rollout import LMSpeaker, rollout
     from minscope.simulators import Frozen
     from minscope.trainer import UpdateConfig, grpo_update, make_optimizer
@@ -216,7 +217,8 @@ def test_recomputed_old_logprobs_use_the_adapter_that_sampled_each_row():
     log-probs are recomputed under the snapshot, so the off-policy ratio stays (not 1)."""
     from test_chat_templates import Talk, make_tokenizer
 
-    from minscope.models import add_adapters, build_tiny_model
+    from minscope.adapters import add_adapters
+    from minscope.models import build_tiny_model
     from minscope.rollout import LMSpeaker, rollout
     from minscope.simulators import Frozen
     from minscope.trainer import UpdateConfig, grpo_update, make_optimizer

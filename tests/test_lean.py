@@ -4,8 +4,10 @@ tests/test_smollm2.py checks it on the real SmolLM2."""
 import pytest
 import torch
 
-from minscope import lean, rollout
-from minscope.models import add_adapters, build_tiny_model, use_adapter
+from minscope import lean, sampling
+from minscope.adapters import add_adapters, use_adapter
+from minscope.kvcache import KVCache
+from minscope.models import build_tiny_model
 from minscope.precision import to_float64
 
 
@@ -18,14 +20,14 @@ def llama(tokenizer, request):
 def both_paths(model, prompts, monkeypatch, **kw):
     out = []
     for on in (False, True):
-        monkeypatch.setattr(rollout, "LEAN", on)
+        monkeypatch.setattr(sampling, "LEAN", on)
         torch.manual_seed(0)
-        cache = rollout.KVCache()
+        cache = KVCache()
         owners = [object() for _ in prompts]
-        first = rollout.sample(model, prompts, 0, {-1}, 5, cache=cache, owners=owners, **kw)
+        first = sampling.sample(model, prompts, 0, {-1}, 5, cache=cache, owners=owners, **kw)
         # a second turn through the kept cache (suffix prefill, holes in the mask)
         longer = [p + g + [7, 8][:1 + i % 2] for i, (p, g) in enumerate(zip(prompts, first[0]))]
-        out.append((first, rollout.sample(model, longer, 0, {-1}, 5, cache=cache, owners=owners, **kw)))
+        out.append((first, sampling.sample(model, longer, 0, {-1}, 5, cache=cache, owners=owners, **kw)))
     return out
 
 

@@ -7,9 +7,10 @@ margin is several standard errors of that batch, which random drift cannot meet.
 """
 import torch
 
+from minscope.adapters import add_adapters
 from minscope.envs.wordgame import Asker, WordGame
 from minscope.methods import build_method, train_step
-from minscope.models import add_adapters, build_tiny_model, build_tokenizer
+from minscope.models import build_tiny_model, build_tokenizer
 from minscope.rollout import LMSpeaker, rollout
 from minscope.sft import sft
 from minscope.trainer import UpdateConfig

@@ -18,8 +18,9 @@ import pytest
 from test_smollm2 import model_cache, smollm2_dir  # noqa: F401  (fixtures: the converted checkpoint)
 
 from minscope import learning
+from minscope.adapters import add_adapters
 from minscope.envs.numbers import Numbers
-from minscope.models import add_adapters, load_model
+from minscope.models import load_model
 from minscope.real_args import SAMPLING_TEMPERATURE
 from minscope.rollout import LMSpeaker
 

@@ -4,13 +4,14 @@ import numpy as np
 import pytest
 import torch
 
+from minscope.adapters import adapter_state, add_adapters
 from minscope.envs.base import Episode, Turn, turn_noise
 from minscope.envs.toy import RealUsers, SharpenedUsers, ToyEnv
 from minscope.envs.toy_words import ACTS
 from minscope.envs.wordgame import Asker, WordGame
 from minscope.evaluate import collapse_meter, open_loop_meter
 from minscope.methods import METHODS, build_method, train_step
-from minscope.models import adapter_state, add_adapters, build_tiny_model
+from minscope.models import build_tiny_model
 from minscope.rollout import LMSpeaker, rollout
 from minscope.simulators import Ensemble, Frozen, PersonaGuided, Population, Verbalized
 from minscope.trainer import UpdateConfig
@@ -340,7 +341,7 @@ def test_collapse_meter_sees_no_simulator_variance_in_a_deterministic_simulator(
 def test_grpo_update_with_activation_checkpointing_trains_the_right_adapter(tokenizer, adapter):
     """With checkpointing, the backward pass re-runs the layers: it must see the adapter
     being trained, whichever adapter the model falls back to outside `use_adapter`."""
-    from minscope.models import load_adapter_state, trainable_parameters
+    from minscope.adapters import load_adapter_state, trainable_parameters
     from minscope.trainer import grpo_update
 
     torch.manual_seed(0)
@@ -466,7 +467,7 @@ def test_grpo_update_kl_statistic_ignores_untrained_positions(tokenizer, monkeyp
     """A reference log-prob 200 above the policy's where nothing is trained (the prompt, the
     other party's turns) must leave the loss, the gradient and the logged KL finite."""
     import minscope.trainer as trainer
-    from minscope.models import trainable_parameters
+    from minscope.adapters import trainable_parameters
 
     torch.manual_seed(0)
     model = add_adapters(build_tiny_model(tokenizer, "qwen3", hidden_size=32), ["policy"], init_lora_weights=False)
@@ -507,7 +508,7 @@ def selfplay_step(parts, tokenizer, monkeypatch, symmetric: bool):
 
 
 def test_selfplay_takes_one_optimizer_step_on_both_roles_tokens(parts, tokenizer, monkeypatch):
-    from minscope.rollout import training_batch
+    from minscope.batch import training_batch
 
     episodes, steps, calls = selfplay_step(parts, tokenizer, monkeypatch, symmetric=False)
     assert len(steps) == 1 and len(calls) == 1                    # as many as RL (Single) takes

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from minscope import models
-from minscope.models import (adapter_state, add_adapters, build_tiny_model, fix_cpu_4bit,
-                             load_adapter, load_adapter_state, save_adapter, trainable_parameters,
-                             use_adapter)
+from minscope import adapters, models, prefix
+from minscope.adapters import (adapter_state, add_adapters, load_adapter, load_adapter_state, save_adapter,
+                               trainable_parameters, use_adapter)
+from minscope.models import build_tiny_model, fix_cpu_4bit
 
 
 def logits(model, ids, adapter="__keep__"):
@@ -43,7 +43,7 @@ def test_sdpa_and_eager_attention_agree_on_padded_batches(tokenizer, arch):
     """The tiny models use sdpa (faster); on left- and right-padded rows it must match eager."""
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [4, 5, 6, 7, 8, 9], [3, 4, 5, 0, 0, 0]])
     attn = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
-    out = {a: models.final_hidden_states(build_tiny_model(tokenizer, arch, hidden_size=32, seed=3, attention=a),
+    out = {a: prefix.final_hidden_states(build_tiny_model(tokenizer, arch, hidden_size=32, seed=3, attention=a),
                                          ids, attn) for a in ("eager", "sdpa")}
     real = attn.bool()
     assert torch.isfinite(out["sdpa"][real]).all()
@@ -93,7 +93,7 @@ def test_snapshot_and_restore_is_exact(tiny_model):
     load_adapter_state(model, "pool0", snap)
     assert torch.equal(logits(model, ids, "pool0"), logits(model, ids, "simulator"))
     with torch.no_grad():
-        for p in models.lora_parameters(model, "simulator").values():
+        for p in adapters.lora_parameters(model, "simulator").values():
             p.add_(1.0)
     load_adapter_state(model, "simulator", snap)
     assert torch.equal(logits(model, ids, "pool0"), logits(model, ids, "simulator"))
@@ -107,7 +107,7 @@ def test_adapter_saves_in_peft_format_and_loads_exactly(tiny_model, tmp_path):
     ids = torch.tensor([[3, 4, 5]])
     want = logits(model, ids, "policy")
     with torch.no_grad():
-        for p in models.lora_parameters(model, "policy").values():
+        for p in adapters.lora_parameters(model, "policy").values():
             p.zero_()
     load_adapter(model, "policy", tmp_path)
     assert torch.allclose(logits(model, ids, "policy"), want)
@@ -116,9 +116,9 @@ def test_adapter_saves_in_peft_format_and_loads_exactly(tiny_model, tmp_path):
 def test_hidden_states_path_matches_model_logits(tiny_model):
     ids = torch.tensor([[0, 0, 5, 6, 7], [5, 6, 7, 8, 9]])
     attn = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    h = models.final_hidden_states(tiny_model, ids, attn)
+    h = prefix.final_hidden_states(tiny_model, ids, attn)
     direct = tiny_model(input_ids=ids[1:], attention_mask=attn[1:]).logits
-    assert torch.allclose(h[1:] @ models.output_embedding(tiny_model).T, direct, atol=1e-5)
+    assert torch.allclose(h[1:] @ adapters.output_embedding(tiny_model).T, direct, atol=1e-5)
 
 
 def test_offline_hub_name_is_one_clear_error(monkeypatch):

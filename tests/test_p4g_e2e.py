@@ -18,17 +18,15 @@ from safetensors.torch import load_file
 
 import eval as eval_cli
 import train as train_cli
+from minscope.adapters import add_adapters, lora_parameters, save_adapter
 from minscope.envs.base import Episode
 from minscope.envs.p4g import P4GEnv
 from minscope.methods import METHODS
 from minscope.models import (
     CHATML_TEMPLATE,
-    add_adapters,
     build_tiny_model,
     build_tokenizer,
     load_model,
-    lora_parameters,
-    save_adapter,
 )
 from minscope.real_args import eval_tasks, parse_panel
 from minscope.real_models import build_models
@@ -338,9 +336,10 @@ def test_a_simulator_update_moves_the_decision_it_is_paid_for(model_dirs):
     +1 on every episode raises the log-probability of the decisions it sampled (their sum: the
     episodes share parameters, so single ones may move either way), and from the same start
     one with -1 lowers it."""
-    from minscope.models import use_adapter
+    from minscope.adapters import use_adapter
+    from minscope.batch import training_batch
     from minscope.readout import DECISION_TOKENS
-    from minscope.rollout import LMSpeaker, rollout, training_batch
+    from minscope.rollout import LMSpeaker, rollout
     from minscope.simulators import Trainable
     from minscope.trainer import UpdateConfig, grpo_update, make_optimizer
 

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from minscope import prefix
+from minscope.adapters import add_adapters
 from minscope.envs.base import Episode
-from minscope.models import add_adapters, build_tiny_model, enable_checkpointing
-from minscope.rollout import Stream
+from minscope.models import build_tiny_model, enable_checkpointing
+from minscope.stream import Stream
 from minscope.trainer import UpdateConfig, grpo_update, make_optimizer
 
 
@@ -126,7 +127,8 @@ def test_a_step_without_reward_signal_skips_the_update(tokenizer):
 
 # ----------------------------------------------------------------------------- the rollout
 from minscope.envs.base import Environment  # noqa: E402
-from minscope.rollout import LMSpeaker, rollout, sample  # noqa: E402
+from minscope.rollout import LMSpeaker, rollout  # noqa: E402
+from minscope.sampling import sample  # noqa: E402
 
 
 def test_sampling_with_shared_prefixes_draws_the_same_tokens(tiny_model, tokenizer):
@@ -236,9 +238,9 @@ def test_rollouts_with_shared_prefixes_are_the_same_episodes(tiny_model, tokeniz
 def test_train_step_logs_a_skipped_update_and_its_reason(tokenizer):
     """A step whose groups all have equal rewards: with skip_zero_signal the policy's and the
     co-trained simulator's updates are skipped and the metrics say so; without it they run."""
+    from minscope.adapters import adapter_state
     from minscope.envs.wordgame import WordGame
     from minscope.methods import build_method, train_step
-    from minscope.models import adapter_state
     from minscope.simulators import Frozen
 
     class Flat(WordGame):

@@ -14,14 +14,16 @@ import torch
 from test_chat_templates import Talk, make_tokenizer
 
 import train as train_cli
+from minscope.adapters import add_adapters
 from minscope.envs.base import Episode
 from minscope.envs.p4g import P4GEnv
-from minscope.models import add_adapters, build_tiny_model, enable_checkpointing
+from minscope.models import build_tiny_model, enable_checkpointing
 from minscope.real_models import eval_panel
 from minscope.real_tables import training_log
-from minscope.rollout import Stream, rollout, rollout_batch
+from minscope.rollout import rollout, rollout_batch
 from minscope.runfolder import FORMAT_VERSION
 from minscope.simulators import Frozen
+from minscope.stream import Stream
 from minscope.trainer import UpdateConfig, grpo_update, make_optimizer
 
 P4G_CSV = Path(__file__).parent / "fixtures" / "p4g" / "csv"

@@ -16,10 +16,11 @@ import torch
 import eval as eval_cli
 import train as train_cli
 from minscope import experiment, files
+from minscope.adapters import add_adapters
 from minscope.envs.wordgame import Asker, WordGame
 from minscope.errors import RunStopped
 from minscope.methods import build_method, train_step
-from minscope.models import add_adapters, build_tiny_model
+from minscope.models import build_tiny_model
 from minscope.rollout import LMSpeaker, rollout
 from minscope.runfolder import FORMAT_VERSION, format_fields
 from minscope.toy_models import ToyModelConfig, ToyModels

@@ -35,7 +35,7 @@ def test_ci_runs_exactly_the_readmes_test_command_last():
 def test_setup_extras_pins_are_the_ones_the_error_messages_name():
     sys.path.insert(0, str(REPO / "tests"))
     import setup_extras
-    hints = (REPO / "minscope" / "models.py").read_text() + (REPO / "minscope" / "envs" / "tau2.py").read_text()
+    hints = (REPO / "minscope" / "checkpoints.py").read_text() + (REPO / "minscope" / "envs" / "tau2.py").read_text()
     for pin in setup_extras.NO_DEPS:
         assert f"pip install --no-deps {pin}" in hints, pin
     for pin in setup_extras.WITH_DEPS:

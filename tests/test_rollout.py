@@ -2,9 +2,12 @@
 import pytest
 import torch
 
+from minscope.adapters import add_adapters
+from minscope.batch import training_batch
 from minscope.envs.base import Environment, Episode, Step, Turn
-from minscope.models import add_adapters
-from minscope.rollout import LMSpeaker, rollout, sample, training_batch, view_messages
+from minscope.rollout import LMSpeaker, rollout
+from minscope.sampling import sample
+from minscope.stream import view_messages
 
 
 class Chat(Environment):
@@ -114,7 +117,7 @@ def test_population_rows_use_their_own_adapter_in_one_batch(tiny_model, tokenize
     prompts = [[5, 6, 7], [5, 6, 7]]
     eos = {tokenizer.eos_token_id}
     mixed, _ = sample(model, prompts, tokenizer.pad_token_id, eos, 5, 0, adapter_names=["one", "two"])
-    from minscope.models import use_adapter
+    from minscope.adapters import use_adapter
     for row, name in enumerate(["one", "two"]):
         with use_adapter(model, name):
             alone, _ = sample(model, [prompts[row]], tokenizer.pad_token_id, eos, 5, 0)

@@ -14,17 +14,12 @@ import torch
 from test_chat_templates import make_tokenizer
 
 import train as train_cli
+from minscope.adapters import adapter_state, add_adapters, save_adapter
 from minscope.chat import strip_reasoning
 from minscope.envs.base import Episode, Turn
 from minscope.envs.p4g import P4GEnv
 from minscope.files import load_state, save_atomic
-from minscope.models import (
-    adapter_state,
-    add_adapters,
-    build_tiny_model,
-    load_model,
-    save_adapter,
-)
+from minscope.models import build_tiny_model, load_model
 from minscope.real_models import _attach_adapter, adapter_folder
 from minscope.rollout import LMSpeaker
 from minscope.runfolder import FORMAT_VERSION

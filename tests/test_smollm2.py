@@ -24,13 +24,15 @@ import torch
 from safetensors.torch import load_file
 
 import train as train_cli
-from minscope import models as models_mod
+from minscope import checkpoints
 from minscope import runner
+from minscope.adapters import add_adapters, adapter_nbytes, adapter_state, load_adapter_state, use_adapter
+from minscope.batch import training_batch
 from minscope.chat import chat_format
+from minscope.checkpoints import resolve_checkpoint
 from minscope.envs.p4g import P4GEnv
-from minscope.models import (add_adapters, adapter_nbytes, adapter_state, load_adapter_state, load_model,
-                             resolve_checkpoint)
-from minscope.rollout import LMSpeaker, rollout, training_batch
+from minscope.models import load_model
+from minscope.rollout import LMSpeaker, rollout
 from minscope.simulators import Frozen, Population, Verbalized
 from minscope.trainer import UpdateConfig, grpo_update, make_optimizer, sequence_logprobs
 from test_chat_templates import Talk
@@ -86,7 +88,7 @@ def test_smollm2_is_a_llama_with_the_chatml_template_and_a_default_system_prompt
 
 
 def test_a_gguf_file_or_its_folder_resolve_to_the_same_cached_conversion(smollm2_dir):
-    gguf = models_mod.gguf_file("smollm2")
+    gguf = checkpoints.gguf_file("smollm2")
     assert gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert resolve_checkpoint(str(gguf)) == resolve_checkpoint(str(gguf.parent)) == str(smollm2_dir)
     assert resolve_checkpoint("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"     # anything else: unchanged
@@ -121,7 +123,7 @@ def test_a_damaged_cache_entry_is_rebuilt_with_one_line(smollm2_dir, tmp_path, m
         weights = entry / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:1000])
     rebuilt = []
-    monkeypatch.setattr(models_mod, "convert_gguf",
+    monkeypatch.setattr(checkpoints, "convert_gguf",
                         lambda path, folder, log: (rebuilt.append(folder), shutil.rmtree(folder),
                                                    shutil.copytree(smollm2_dir, folder)))
     lines = []
@@ -175,7 +177,7 @@ def test_one_grpo_step_moves_the_policy_adapter_only(smol, p4g_episodes):
 
 
 def test_shared_prompt_prefixes_change_neither_the_episodes_nor_the_update(smol, p4g_episodes):
-    """Prefix sharing (rollout.share_prefixes, minscope/prefix.py) on SmolLM2: the same P4G
+    """Prefix sharing (sampling.share_prefixes, minscope/prefix.py) on SmolLM2: the same P4G
     episodes as a rollout that prefills every row whole (same seed), and the same loss and
     gradients as an update that feeds every row whole, for both parties' streams."""
     import copy
@@ -278,7 +280,7 @@ def test_the_lean_decode_loop_gives_smollm2_the_general_paths_episodes_bit_for_b
     try:
         for n, state in saved.items():
             load_adapter_state(model, n, {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in state.items()})
-        with models_mod.use_adapter(model, "policy"):
+        with use_adapter(model, "policy"):
             general, fast = both_paths(model, prompts, monkeypatch)
         assert general == fast
         with model.disable_adapter():

@@ -118,7 +118,7 @@ def test_user_simulator_gets_guidelines_scenario_and_the_greeting_as_user_turn(m
 
 
 def test_agent_tools_render_through_the_chat_template(mock, tokenizer):
-    from minscope.rollout import view_messages
+    from minscope.stream import view_messages
     task = task_by_id(mock, "create_task_1")
     prompt = tokenizer.apply_chat_template(
         view_messages(mock, Episode(task=task, group=0), "agent"),

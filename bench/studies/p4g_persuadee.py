@@ -33,10 +33,11 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
+    from minscope.adapters import load_adapter
     from minscope.envs.p4g_parse import _TAG, parse_donation
     from minscope.evaluate import evaluate_panel
     from minscope.files import read_json
-    from minscope.models import load_adapter, quiet
+    from minscope.models import quiet
     from minscope.real_args import make_env, setting
     from minscope.real_models import build_real_method
     from minscope.real_eval import pick_checkpoint
