@@ -39,6 +39,9 @@ panel entry) is a model behind an OpenAI-compatible endpoint (`minscope.served`)
 is loaded for it here, and metrics.jsonl counts its requests, tokens and latency
 (`served_*`). Under `torchrun --nproc_per_node N` the ranks share each step's groups and
 rank 0 alone evaluates and writes the run folder (`minscope.distributed`).
+
+One file, though long: a real run's start, resume, evaluation and saving share one run folder's
+state, and splitting them would pass that state between files.
 """
 
 from __future__ import annotations
