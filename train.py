@@ -84,7 +84,7 @@ REAL_DEFAULTS = dict(method="single", domain="retail", panel="", groups=16, grou
                      sim_lr=5e-4, eval_every=16, max_new_tokens=128, micro_batch=8)
 REAL_ONLY = ("method", "personas", "data", "domain", "policy", "simulator", "panel", "load_in_4bit",
              "lr", "sim_lr", "max_new_tokens", "micro_batch", "rollout_batch", "eval_temperature",
-             "no_grad_checkpointing", "no_prefix_sharing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
+             "no_grad_checkpointing", "checkpoint_above", "no_prefix_sharing", "thinking", "repos", "tasks", "subset", "test_subset", "coder_turns", "bash",
              "unsafe_no_sandbox", "max_turns", "p4g_reward", "pool_draw", "seed", "temperature", "kl", "lora_r", "lora_alpha",
              "pool_size", "pool_every", "vs_k", "sim_reward", "sim_anchor", "device", "dtype", "logprob_backend",
              "simulator_4bit")
@@ -267,7 +267,11 @@ def build_parser():
                         "the policy (and of the simulators it is evaluated against) during evaluation (default 0: "
                         "greedy, as the paper evaluates)")
     g_real.add_argument("--no-grad-checkpointing", action="store_true", help="keep every layer's "
-                        "activations for the backward pass (faster, far more memory; default: recompute them)")
+                        "activations for the backward pass (faster, far more memory; default: recompute them "
+                        "in the update units whose activations would pass --checkpoint-above)")
+    g_real.add_argument("--checkpoint-above", type=whole(0), metavar="MIB", help="an update unit whose "
+                        "activations would take at most MIB MiB keeps them instead of recomputing them "
+                        "(the same gradients, less time; default 1024; 0: recompute in every unit)")
     g_real.add_argument("--no-prefix-sharing", action="store_true", help="encode each group's shared "
                         "prompt once per episode, in the rollout and the update (the plain path, same numbers, slower; "
                         "default: once per group, minscope/prefix.py)")

@@ -109,12 +109,14 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=24, help="decode steps timed")
     p.add_argument("--pool", type=int, default=5, help="adapters of the per-row set-up (Population's K)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--paths", default="general,lean", help="forward paths, comma-separated: general,lean (both, the default) or one")
+    p.add_argument("--paths", default="general,lean,packed",
+                   help="forward paths, comma-separated: general (transformers + peft), lean (minscope/lean.py, "
+                        "bit-identical to general), packed (lean with MKL-packed products, minscope/packed.py)")
     args = p.parse_args(argv)
     print("command: " + shlex.join(["python", "bench/decode_profile.py", *(sys.argv[1:] if argv is None else argv)]),
           flush=True)
 
-    from minscope import sampling
+    from minscope import packed, sampling
     from minscope.adapters import add_adapters
     from minscope.models import load_model, quiet
 
@@ -138,7 +140,7 @@ def main(argv=None):
         for label, adapters in (("base", [None] * batch), ("single", [names[0]] * batch),
                                 ("per-row", [names[i % args.pool] for i in range(batch)])):
             for path in args.paths.split(","):
-                sampling.LEAN = path == "lean"
+                sampling.LEAN, packed.PACKED = path != "general", path == "packed"
                 wall, _ = decode(model, tok, batch, args.context, args.steps, adapters, profile=False)
                 _, groups = decode(model, tok, batch, args.context, args.steps, adapters, profile=True)
                 inside = sum(groups.values())

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import packed
 from .precision import wide, widen
 
 
@@ -67,12 +68,19 @@ def lean_forward(model):
     return _LeanLlama(base)
 
 
-def _linear(mod, x, groups):
-    """nn.Linear, or peft's lora.Linear exactly as its forward computes it."""
+def _linear(mod, x, groups, store=None):
+    """nn.Linear, or peft's lora.Linear exactly as its forward computes it; with a packed
+    `store` (minscope/packed.py) and few rows, the same products from packed weights (one
+    active adapter: its merged weight, one product)."""
+    packed = store is not None and store.fits(x)
     base = getattr(mod, "base_layer", None)
     if base is None:
-        return F.linear(x, mod.weight, mod.bias)
-    result = F.linear(x, base.weight, base.bias)
+        return store.product(x, store.base_weight(mod), mod.weight) if packed else F.linear(x, mod.weight, mod.bias)
+    if packed and groups is None and not mod.disable_adapters:
+        active = [n for n in mod.active_adapters if n in mod.lora_A]
+        if len(active) == 1 and mod.lora_A[active[0]].bias is None and mod.lora_B[active[0]].bias is None:
+            return store.product(x, store.merged_weight(mod, active[0]), base.weight)
+    result = store.product(x, store.base_weight(base), base.weight) if packed else F.linear(x, base.weight, base.bias)
     if mod.disable_adapters:
         return result
     if groups is None:                               # lora.Linear.forward, vanilla LoRA
@@ -122,10 +130,12 @@ class _LeanLlama:
         self.n_layers = cfg.num_hidden_layers
         attn = self.lm.layers[0].self_attn
         self.head_dim, self.groups_kv, self.scaling = attn.head_dim, attn.num_key_value_groups, attn.scaling
+        self.store = packed.store_for(base)    # float32 on an MKL CPU: packed decode products
 
     @torch.no_grad()
     def __call__(self, input_ids, mask, position_ids, cache, adapter_names=None, keep: int = 1):
         groups = None if adapter_names is None else row_groups(adapter_names, input_ids.device)
+        st = self.store if packed.PACKED else None
         lm = self.lm
         emb = lm.embed_tokens
         h = F.embedding(input_ids, emb.weight, emb.padding_idx, emb.max_norm, emb.norm_type,
@@ -142,9 +152,9 @@ class _LeanLlama:
             residual = h
             x = _rms_norm(layer.input_layernorm, h)
             at = layer.self_attn
-            q = _linear(at.q_proj, x, groups).view(shape).transpose(1, 2)
-            k = _linear(at.k_proj, x, groups).view(shape).transpose(1, 2)
-            v = _linear(at.v_proj, x, groups).view(shape).transpose(1, 2)
+            q = _linear(at.q_proj, x, groups, st).view(shape).transpose(1, 2)
+            k = _linear(at.k_proj, x, groups, st).view(shape).transpose(1, 2)
+            v = _linear(at.v_proj, x, groups, st).view(shape).transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             k, v = cache.update(k, v, idx)
@@ -159,13 +169,13 @@ class _LeanLlama:
                                                  is_causal=False)
             out = out.reshape(out.shape[0], -1, S, v.shape[-1]).transpose(1, 2).contiguous()
             out = out.reshape(B, S, -1).contiguous()
-            h = residual + _linear(at.o_proj, out, groups)
+            h = residual + _linear(at.o_proj, out, groups, st)
             residual = h
             x = _rms_norm(layer.post_attention_layernorm, h)
             mlp = layer.mlp
-            x = _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x, groups)) * _linear(mlp.up_proj, x, groups),
-                        groups)
+            x = _linear(mlp.down_proj, F.silu(_linear(mlp.gate_proj, x, groups, st)) * _linear(mlp.up_proj, x, groups, st),
+                        groups, st)
             h = residual + x
         h = _rms_norm(lm.norm, h)
-        logits = widen(_linear(self.base.lm_head, h[:, -keep:, :], groups))
+        logits = widen(_linear(self.base.lm_head, h[:, -keep:, :], groups, st))
         return logits[:, -1] if keep == 1 else logits

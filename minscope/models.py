@@ -10,6 +10,7 @@ name (the last two are converted into a folder once: minscope/checkpoints.py), i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -262,6 +263,39 @@ def enable_checkpointing(model) -> int:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing for m in model.modules())
+
+
+def activation_bytes_per_token(model) -> int | None:
+    """About what one token's activations take in a training forward that keeps them (no
+    checkpointing): per decoder layer 8 hidden-size and 4 MLP-size vectors. For SmolLM2 that
+    is 1.23 MiB per token; the tensors autograd actually saved measured 1.15 MiB
+    (docs/BENCHMARKS.md, "Checkpointing only the units that need it"). None for a config
+    without those sizes."""
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    sizes = [getattr(cfg, k, None) for k in ("num_hidden_layers", "hidden_size", "intermediate_size")]
+    if not all(isinstance(v, int) for v in sizes):
+        return None
+    layers, hidden, mlp = sizes
+    return layers * (8 * hidden + 4 * mlp) * model.get_input_embeddings().weight.element_size()
+
+
+@contextlib.contextmanager
+def checkpointing(model, on: bool):
+    """Inside the block the layers `enable_checkpointing` set up checkpoint only if `on`
+    (a unit small enough to keep its activations skips the recomputation: the same gradients,
+    less time; tests/test_prefix.py checks they are the same)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [] if on else [m for m in model.modules()
+                            if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    for m in layers:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.gradient_checkpointing = True
 
 
 def model_device(model) -> torch.device:

@@ -187,9 +187,13 @@ def build_real_method(args, env, personas):
     # skip_zero_signal: a step whose groups all have equal rewards runs no update (DESIGN_NOTES)
     # prefix_sharing: each group's shared prompt is encoded once in the update (minscope/prefix.py)
     sharing = not getattr(args, "no_prefix_sharing", False)
+    # checkpoint_above: an update unit whose activations fit in --checkpoint-above MiB keeps them
+    # (no recomputation); bigger ones are checkpointed (minscope/trainer.py, `checkpointed`)
+    above = getattr(args, "checkpoint_above", None)
+    above = CHECKPOINT_ABOVE_MIB if above is None else above
     ucfg = dict(epochs=1, micro_batch=args.micro_batch, temperature=setting(args, "temperature"),
                 beta=setting(args, "kl"), skip_zero_signal=True, prefix_sharing=sharing,
-                logprob_backend=setting(args, "logprob_backend"))
+                logprob_backend=setting(args, "logprob_backend"), checkpoint_above=above * 2**20)
     method = build_method(args.method, models.policy, frozen, UpdateConfig(lr=args.lr, **ucfg),
                           UpdateConfig(lr=args.sim_lr, **ucfg),
                           sim_model=models.sim_model if args.method in TRAINS_SIMULATOR else None,
@@ -208,6 +212,10 @@ def build_real_method(args, env, personas):
         speaker.share_prefix = sharing
     return models, method
 
+
+# Activations an update unit may keep instead of recomputing them (MiB): a 2-turn P4G unit of
+# SmolLM2 (a group's ~430-id persona prompt once, 4 rows of ~85 ids) keeps ~0.9 GiB
+CHECKPOINT_ABOVE_MIB = 1024
 
 ANCHOR_BATCH = 4     # real persuadees per anchor step (--sim-anchor)
 

@@ -322,8 +322,10 @@ def run_real(args):
     distributed.decorrelate(method.partner)    # ranks > 0: their own draws (a resume restores them)
     chunk = getattr(args, "rollout_batch", None) or default_rollout_batch(args, env, models)
     eval_temperature = getattr(args, "eval_temperature", None) or 0.0
-    say(f"rollouts: at most {chunk} episodes at once; gradient checkpointing "
-        f"{'off' if getattr(args, 'no_grad_checkpointing', False) else 'on'}; shared prompts encoded once per "
+    above = method.policy_cfg.checkpoint_above
+    ckpt = ("off" if getattr(args, "no_grad_checkpointing", False) else
+            "on" if not above else f"on for update units over {above / 2**20:.0f} MiB of activations")
+    say(f"rollouts: at most {chunk} episodes at once; gradient checkpointing {ckpt}; shared prompts encoded once per "
         f"{'episode' if getattr(args, 'no_prefix_sharing', False) else 'group'}; micro-batches of "
         f"{args.micro_batch}; evaluation at temperature {eval_temperature:g}")
     say(f"{env.name}: {len(train_tasks)} training tasks, {len(test_tasks)} {split} tasks for evaluation; "

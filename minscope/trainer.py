@@ -35,6 +35,7 @@ from .batch import training_batch
 from .errors import RunStopped
 from .grpo import aggregation_weights, kl_log_ratio, token_loss
 from .logprobs import fused_grpo_token_loss, token_logprobs
+from .models import activation_bytes_per_token, checkpointing
 from .precision import round_parameters, work_dtype
 
 
@@ -66,6 +67,10 @@ class UpdateConfig:
     # for a model that computes below float32 (bf16, fp16, 4-bit); float32/float64 models keep
     # the rollout's (they agree to ~1e-6, and the toy's numbers stay as they were)
     recompute_old: bool | None = None
+    # activation checkpointing (models.enable_checkpointing) only for units whose activations
+    # would take more than this many bytes (models.activation_bytes_per_token x the unit's padded
+    # ids); smaller units keep them and skip the recomputation. None: every unit as the model is set
+    checkpoint_above: int | None = None
 
 
 def make_optimizer(model, adapter: str, cfg: UpdateConfig):
@@ -132,10 +137,12 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
         with torch.no_grad():
             for rows, p, n in units:
                 ref[rows, p:n - 1] = unit_logprobs(model, ids, attn, (rows, p, n), cfg.temperature,
-                                                   adapter=None, backend=cfg.logprob_backend)
+                                                   adapter=None, backend=cfg.logprob_backend,
+                                                   where=mask[rows, p:n - 1] != 0)
     # this adapter's parameters, kept as a list: peft flips requires_grad whenever the active
     # adapter changes (use_adapter restores the model's default on exit), so it cannot tell
     params = trainable_parameters(model, adapter)
+    per_token = activation_bytes_per_token(model) if cfg.checkpoint_above is not None else None
     model.train()
     sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
     skipped = 0     # epochs whose update was dropped (non-finite); the statistics average the others
@@ -150,15 +157,21 @@ def grpo_update(model, adapter: str, optimizer, episodes, key: str, advantages: 
             sl = (rows, slice(p, n - 1))          # the unit's loss positions (those before p carry none)
             ref_sl = None if ref is None else ref[sl]
             adv_tok = adv[rows, None].expand_as(old[sl])
-            with use_adapter(model, adapter):
+            trained = mask[sl] != 0     # the LM head runs at these positions only (the rest weigh 0)
+            with use_adapter(model, adapter), checkpointing(model, checkpointed((rows, p, n), per_token, cfg)):
                 hidden = prefix.unit_hidden_states(model, ids, attn, (rows, p, n))   # [b, n-1-p, H]
                 # weights already hold the batch normaliser; logp and ent come back detached
-                loss, logp, ent = fused_grpo_token_loss(
-                    hidden, output_embedding(model), ids[rows, p + 1:n], old[sl], ref_sl, adv_tok, weights[sl],
+                loss, lp, en = fused_grpo_token_loss(
+                    hidden[trained], output_embedding(model), ids[rows, p + 1:n][trained], old[sl][trained],
+                    None if ref_sl is None else ref_sl[trained], adv_tok[trained], weights[sl][trained],
                     cfg.eps_low, cfg.eps_high, cfg.beta, cfg.temperature, backend=cfg.logprob_backend)
                 # backward inside the block: with activation checkpointing the layers are
                 # recomputed now, and must see the same adapter as in the forward pass
                 loss.backward()
+            # back to the unit's [b, n-1-p] positions: untrained ones read as the old policy
+            # (ratio 1) with entropy 0; every statistic below masks them out anyway
+            logp = old[sl].clone().masked_scatter_(trained, lp.to(old.dtype))
+            ent = torch.zeros_like(old[sl]).masked_scatter_(trained, en.to(old.dtype))
             finite = finite and bool(torch.isfinite(loss.detach()))
             clipped = token_loss(logp, old[sl], ref_sl, adv_tok, cfg.eps_low, cfg.eps_high, cfg.beta)[2]
             m = mask[sl].bool()
@@ -216,15 +229,30 @@ def update_units(model, ids, attn, mask, cfg: UpdateConfig):
     return [(list(range(s, min(s + cfg.micro_batch, B))), 0, T) for s in range(0, B, cfg.micro_batch)]
 
 
+def checkpointed(unit, per_token: int | None, cfg: UpdateConfig) -> bool:
+    """Whether unit (rows, p, n) recomputes its activations in the backward pass: its padded
+    ids (the prefix once, each row's n - p) times `per_token` above `cfg.checkpoint_above`."""
+    if cfg.checkpoint_above is None or per_token is None:
+        return True
+    rows, p, n = unit
+    return (p + len(rows) * (n - p)) * per_token > cfg.checkpoint_above
+
+
 def unit_logprobs(model, input_ids, attention_mask, unit, temperature: float, adapter,
-                  backend: str = "auto"):
+                  backend: str = "auto", where=None):
     """Log-probs [b, n-1-p] of the next tokens of a unit (rows, p, n) after position p
-    (prefix.unit_hidden_states)."""
+    (prefix.unit_hidden_states). where [b, n-1-p] bool: only those positions go through the LM
+    head (the others read 0): the head's [positions, vocabulary] products are the update's
+    largest after the body's, and the other party's tokens carry no loss."""
     rows, p, n = unit
     with use_adapter(model, adapter):
         hidden = prefix.unit_hidden_states(model, input_ids, attention_mask, unit)
-        return token_logprobs(hidden, output_embedding(model), input_ids[rows, p + 1:n], temperature=temperature,
-                              backend=backend)
+        targets = input_ids[rows, p + 1:n]
+        if where is None:
+            return token_logprobs(hidden, output_embedding(model), targets, temperature=temperature, backend=backend)
+        lp = token_logprobs(hidden[where], output_embedding(model), targets[where], temperature=temperature,
+                            backend=backend)
+        return torch.zeros(targets.shape, dtype=lp.dtype, device=lp.device).masked_scatter_(where, lp)
 
 
 def computes_below_fp32(model) -> bool:
@@ -240,9 +268,9 @@ def recompute_old_logprobs(model, ids, attn, mask, old, units, samplers, cfg: Up
         for rows, p, n in units:
             for name in dict.fromkeys(samplers[r] for r in rows):
                 sub = [r for r in rows if samplers[r] == name]
-                lp = unit_logprobs(model, ids, attn, (sub, p, n), cfg.temperature, adapter=name,
-                                   backend=cfg.logprob_backend)
                 keep = mask[sub, p:n - 1].bool()
+                lp = unit_logprobs(model, ids, attn, (sub, p, n), cfg.temperature, adapter=name,
+                                   backend=cfg.logprob_backend, where=keep)
                 out[sub, p:n - 1] = torch.where(keep, lp.to(out.dtype), out[sub, p:n - 1])
     return out
 

@@ -1,10 +1,11 @@
 """The lean forward of Llama models on the CPU (minscope/lean.py): the same samples and
 log-probs, bit for bit, as the general transformers + peft forward. Here on tiny Llamas;
-tests/test_smollm2.py checks it on the real SmolLM2."""
+tests/test_smollm2.py checks it on the real SmolLM2. (With its packed products off:
+tests/test_packed.py checks those against this path.)"""
 import pytest
 import torch
 
-from minscope import lean, sampling
+from minscope import lean, packed, sampling
 from minscope.adapters import add_adapters, use_adapter
 from minscope.kvcache import KVCache
 from minscope.models import build_tiny_model
@@ -19,6 +20,7 @@ def llama(tokenizer, request):
 
 def both_paths(model, prompts, monkeypatch, **kw):
     out = []
+    monkeypatch.setattr(packed, "PACKED", False)     # the same operations as the general path
     for on in (False, True):
         monkeypatch.setattr(sampling, "LEAN", on)
         torch.manual_seed(0)

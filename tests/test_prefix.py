@@ -45,13 +45,16 @@ def grouped_episodes(vocab: int, groups=3, group_size=4, seed=0):
 
 
 def run_update(base, episodes, adv, sharing: bool, checkpointing=False, micro_batch=3, beta=0.005,
-               aggregation="token"):
+               aggregation="token", checkpoint_above=None, layer_calls=None):
     model = copy.deepcopy(base)
     if checkpointing:
         assert enable_checkpointing(model) > 0
+    if layer_calls is not None:     # count the first layer's attention forwards (recomputations included)
+        model.model.layers[0].self_attn.register_forward_pre_hook(lambda *a: layer_calls.append(1))
     torch.manual_seed(1)
     model = add_adapters(model, ["policy"], init_lora_weights=False)
-    cfg = UpdateConfig(lr=1e-3, beta=beta, micro_batch=micro_batch, prefix_sharing=sharing, aggregation=aggregation)
+    cfg = UpdateConfig(lr=1e-3, beta=beta, micro_batch=micro_batch, prefix_sharing=sharing, aggregation=aggregation,
+                       checkpoint_above=checkpoint_above)
     opt = Recording(make_optimizer(model, "policy", cfg).param_groups)
     stats = grpo_update(model, "policy", opt, episodes, "agent", adv, cfg, 0)
     return stats, opt.grads
@@ -70,6 +73,52 @@ def test_shared_prefix_update_equals_the_plain_one(tiny_model, tokenizer, checkp
     assert len(g0) == len(g1) > 0
     for a, b in zip(g0, g1):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), (a - b).abs().max()
+
+
+def test_units_small_enough_keep_their_activations_with_the_same_gradients(tiny_model, tokenizer):
+    """checkpoint_above: a unit under the limit skips the recomputation (the first layer runs
+    once per unit, not twice) and its gradients and statistics are the same, bit for bit."""
+    episodes = grouped_episodes(len(tokenizer))
+    adv = torch.linspace(-1.5, 1.5, len(episodes))
+    runs = {}
+    for above in (None, 0, 10**12):          # every unit checkpointed, every unit over 0 bytes, none
+        calls = []
+        stats, grads = run_update(tiny_model, episodes, adv, sharing=True, checkpointing=True,
+                                  checkpoint_above=above, layer_calls=calls)
+        runs[above] = (stats, grads, len(calls))
+    (s0, g0, c0), (s1, g1, c1), (s2, g2, c2) = runs[None], runs[0], runs[10**12]
+    assert c0 == c1 and c2 < c0       # kept activations: fewer forwards of the layer
+    for s, g in ((s1, g1), (s2, g2)):
+        assert all(s[k] == s0[k] for k in ("loss", "kl", "entropy", "clip_frac", "grad_norm"))
+        assert all(torch.equal(a, b) for a, b in zip(g, g0))
+
+
+def test_the_lm_head_at_trained_positions_only_gives_the_full_loss_and_gradient():
+    """The update feeds the LM head only the positions that carry loss (minscope/trainer.py):
+    the same loss, log-probs there and gradient w.r.t. every hidden state as the head over all
+    positions with weight 0 elsewhere."""
+    from minscope.logprobs import fused_grpo_token_loss, token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    b, S, H, V = 3, 11, 16, 50
+    hidden = torch.randn(b, S, H, generator=g, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(V, H, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, V, (b, S), generator=g)
+    mask = torch.rand(b, S, generator=g) < 0.4
+    old = -torch.rand(b, S, generator=g, dtype=torch.float64) * 4
+    ref = old + 0.1 * torch.randn(b, S, generator=g, dtype=torch.float64)
+    adv = torch.randn(b, 1, generator=g, dtype=torch.float64).expand(b, S)
+    weights = mask.double() / mask.sum()
+    full, lp_full, _ = fused_grpo_token_loss(hidden, head, targets, old, ref, adv, weights, beta=0.1, backend="torch")
+    (d_full,) = torch.autograd.grad(full, hidden)
+    sel, lp_sel, _ = fused_grpo_token_loss(hidden[mask], head, targets[mask], old[mask], ref[mask], adv[mask],
+                                           weights[mask], beta=0.1, backend="torch")
+    (d_sel,) = torch.autograd.grad(sel, hidden)
+    assert torch.allclose(sel, full, rtol=1e-12) and torch.allclose(lp_sel, lp_full[mask], rtol=1e-12)
+    assert torch.allclose(d_sel, d_full, rtol=1e-10, atol=1e-14) and (d_sel[~mask] == 0).all()
+    with torch.no_grad():
+        assert torch.allclose(token_logprobs(hidden[mask], head, targets[mask]),
+                              token_logprobs(hidden, head, targets)[mask], rtol=1e-12)
 
 
 @pytest.mark.parametrize("micro_batch,aggregation", [(1, "token"), (2, "sequence"), (64, "fixed")])
