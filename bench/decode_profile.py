@@ -14,10 +14,11 @@ decode:
   per-row     the rows spread over --pool adapters (Population Co-Training's pool snapshots:
               peft's mixed-adapter batch, one sub-batch per adapter in every LoRA layer)
 
-Each set-up runs through both forward paths of `sampling.sample`, side by side in one process:
-"general" (transformers + peft's forward) and "lean" (minscope/lean.py, the default for Llamas
-on the CPU: the same operations, bit-identical, without the general path's per-layer Python;
---paths lean or general runs one).
+Each set-up runs through the forward paths of `sampling.sample`, side by side in one process:
+"general" (transformers + peft's forward), "lean" (minscope/lean.py: the same operations,
+bit-identical, without the general path's per-layer Python) and "packed" (lean with its few-row
+products on MKL-packed weights, one merged product per LoRA layer for one adapter:
+minscope/packed.py, the default for float32 Llamas on an MKL CPU); --paths picks some.
 
     python bench/decode_profile.py                        # SmolLM2, batch 8 and 32, 2 threads
     python bench/decode_profile.py --batch 8 --threads 1 --steps 16
@@ -38,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GROUPS = {
-    "matrix products": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
+    "matrix products": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkl::_mkl_linear"),
     "attention": ("scaled_dot_product", "flash_attention", "aten::_efficient_attention"),
     "sampling": ("multinomial", "softmax", "exponential", "argmax", "aten::div", "aten::isin", "aten::gather"),
     "cache bookkeeping": ("aten::copy_", "aten::index", "aten::slice", "aten::select", "aten::cat", "aten::fill_",

@@ -42,6 +42,11 @@ update_s (the update is the rest of train_step); peak = torch.cuda.max_memory_al
 over the step (CUDA only). With --repeats N each mode runs N steps, the modes interleaved
 (a loaded machine slows whichever runs when it is busiest), and the table shows medians.
 
+Ratios printed at the end: each method's whole step against RL (Single)'s (`--methods
+single,population`), and, for a real --model on the CPU, one decode step at batch 8 (adapters
+off, and through one adapter) against its floor: the weights read once at the memory bandwidth
+measured in the same run (bench/decode_profile.py's measurement).
+
 --prefix-sharing on|off|both: whether a group's shared prompt prefix is prefilled once in the
 rollout (sampling.share_prefixes) and fed forward once per micro-batch in the update
 (minscope/prefix.py); `both` runs every mode both ways (interleaved) and prints, per pair, the
@@ -527,11 +532,30 @@ def sharing_lines(rows) -> list[str]:
     return out
 
 
+def decode_floor_line(model, tokenizer, batch: int = 8, context: int = 400, steps: int = 16) -> str:
+    """One decode step of `model` at `batch` rows (as bench/decode_profile.py times it, the
+    rollout's default path) against its floor, the weights read once at the memory bandwidth
+    measured now."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from decode_profile import bandwidth_gbs, decode
+
+    base = model.get_base_model()
+    weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in base.parameters()}.values())
+    floor = weights / (bandwidth_gbs() * 1e9) * 1e3
+    parts = []
+    for label, adapter in (("adapters off", None), ("one adapter", "policy")):
+        ms, _ = decode(model, tokenizer, batch, context, steps, [adapter] * batch, profile=False)
+        parts.append(f"{label} {ms:.0f} ms ({ms / floor:.1f}x)")
+    return (f"decode at batch {batch} ({context} tokens cached): {', '.join(parts)} the floor of {floor:.0f} ms "
+            f"({weights / 2**20:.0f} MiB of weights at the bandwidth measured in this run)")
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_grad_enabled(True)
     print("command: " + shlex.join(["python", "bench/step.py", *(sys.argv[1:] if argv is None else argv)]), flush=True)
     rows = []
+    floor_lines = []
     for shape in args.shapes or [args.model]:
         model, tokenizer = build_real(shape, args) if args.model else build(shape, args)
         for _ in range(args.warmup):     # first-call costs (allocator, kernels) stay out of the timings
@@ -551,6 +575,8 @@ def main(argv=None):
                               flush=True)
                         if args.json:
                             Path(args.json).write_text(json.dumps(rows, indent=1))
+        if args.model and args.device == "cpu":
+            floor_lines.append(f"{shape}: " + decode_floor_line(model, tokenizer))
         del model
     rows = medians(rows)
     print()
@@ -561,7 +587,7 @@ def main(argv=None):
     print(f"peak RSS of the process: {peak_rss() / 2**30:.2f} GiB")
     for line in summary(rows):
         print(line)
-    for line in sharing_lines(rows) + method_lines(rows):
+    for line in sharing_lines(rows) + method_lines(rows) + floor_lines:
         print(line)
 
 
