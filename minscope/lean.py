@@ -18,6 +18,10 @@ rows of each adapter are found once per forward, as one index tensor, not once p
 Python lists. So its logits are bit-identical to the general path's
 (tests/test_lean.py checks it, on a tiny Llama and on SmolLM2).
 
+For float32 models on an MKL CPU its products of a few rows (the decode steps) read packed
+weights instead (minscope/packed.py: faster, the same tokens, logits within float32 rounding);
+`packed.PACKED = False` gives the bit-identical path above.
+
 `lean_forward(model)` returns None for anything else (other architectures, eager attention,
 merged or non-vanilla LoRA, LoRA dropout, 4-bit layers, forward hooks on any module, a model on a GPU,
 rope scaling...): those keep the general path.

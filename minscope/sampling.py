@@ -20,7 +20,7 @@ from .models import model_device
 from .precision import widen
 
 
-LEAN = True      # Llama models on the CPU decode through minscope/lean.py (bit-identical, less overhead)
+LEAN = True      # Llama models on the CPU decode through minscope/lean.py (less overhead; packed.py: few-row products)
 
 def _cache_kwarg(model) -> str:
     """transformers renamed `past_key_values` to `cache` in 5.2x; support both."""

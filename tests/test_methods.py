@@ -473,17 +473,23 @@ def test_grpo_update_kl_statistic_ignores_untrained_positions(tokenizer, monkeyp
     model = add_adapters(build_tiny_model(tokenizer, "qwen3", hidden_size=32), ["policy"], init_lora_weights=False)
     speaker = LMSpeaker(model, tokenizer, "agent", adapter="policy", max_new_tokens=3)
     episodes = rollout(WordGame(), ["river", "cloud"], speaker, Asker(), group_size=2)
-    real = trainer.sequence_logprobs
+    real = trainer.unit_logprobs
     untrained = trainer.training_batch(episodes, "agent", tokenizer.pad_token_id).loss_mask == 0
+    calls = []
 
-    def far_reference(model, ids, attn, temperature, adapter, backend="auto"):   # one micro-batch: every row
-        lp = real(model, ids, attn, temperature, adapter)
-        return torch.where(untrained, lp + 200.0, lp)
+    def far_reference(model, ids, attn, unit, temperature, adapter, backend="auto", where=None):
+        lp = real(model, ids, attn, unit, temperature, adapter, backend)      # every position
+        if adapter is not None:
+            return lp
+        calls.append(unit)
+        rows, p, n = unit
+        return torch.where(untrained[rows, p:n - 1], lp + 200.0, lp)
 
-    monkeypatch.setattr(trainer, "sequence_logprobs", far_reference)
+    monkeypatch.setattr(trainer, "unit_logprobs", far_reference)
     opt = torch.optim.SGD(trainable_parameters(model, "policy"), lr=0.1)
     stats = trainer.grpo_update(model, "policy", opt, episodes, "agent", torch.tensor([1.0, -1.0, 0.5, -0.5]),
                                 UpdateConfig(beta=0.1, grad_clip=1e9), tokenizer.pad_token_id)
+    assert calls                        # the reference pass went through the far reference
     assert all(np.isfinite(stats[k]) for k in ("loss", "kl", "grad_norm")), stats
     assert all(torch.isfinite(p).all() for p in trainable_parameters(model, "policy"))
 
