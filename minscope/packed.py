@@ -2,9 +2,9 @@
 
 A decode step multiplies a handful of rows (8 conversations) by every weight of the model.
 At so few rows the product only streams the weights, and MKL's plain sgemm streams them at
-well under the memory bandwidth; measured on a 2-core AVX-512 Xeon (`bench/decode_profile.py`
-and docs/BENCHMARKS.md, "Packed decode products"): SmolLM2's LM head, 49,152 x 576, took
-14.6 ms at 8 rows (7.5 GB/s), the same product on weights packed for 8 rows 7.3 ms. MKL packs
+well under the memory bandwidth. On a 2-core AVX-512 Xeon (docs/BENCHMARKS.md, "The real
+step against the machine's limits"), SmolLM2's LM head, 49,152 x 576, took 14.6 ms at 8 rows
+(7.8 GB/s), and the same product on weights packed for 8 rows 7.3 ms. MKL packs
 a weight for a given number of rows (`torch.ops.mkl._mkl_reorder_linear_weight`, the
 prepacked sgemm torch's own CPU compiler uses); a product of fewer rows is padded with zero
 rows to that number, which changes nothing in the real rows (each output row depends only on
