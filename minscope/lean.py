@@ -76,15 +76,15 @@ def _linear(mod, x, groups, store=None):
     """nn.Linear, or peft's lora.Linear exactly as its forward computes it; with a packed
     `store` (minscope/packed.py) and few rows, the same products from packed weights (one
     active adapter: its merged weight, one product)."""
-    packed = store is not None and store.fits(x)
+    few_rows = store is not None and store.fits(x)
     base = getattr(mod, "base_layer", None)
     if base is None:
-        return store.product(x, store.base_weight(mod), mod.weight) if packed else F.linear(x, mod.weight, mod.bias)
-    if packed and groups is None and not mod.disable_adapters:
+        return store.product(x, store.base_weight(mod), mod.weight) if few_rows else F.linear(x, mod.weight, mod.bias)
+    if few_rows and groups is None and not mod.disable_adapters:
         active = [n for n in mod.active_adapters if n in mod.lora_A]
         if len(active) == 1 and mod.lora_A[active[0]].bias is None and mod.lora_B[active[0]].bias is None:
             return store.product(x, store.merged_weight(mod, active[0]), base.weight)
-    result = store.product(x, store.base_weight(base), base.weight) if packed else F.linear(x, base.weight, base.bias)
+    result = store.product(x, store.base_weight(base), base.weight) if few_rows else F.linear(x, base.weight, base.bias)
     if mod.disable_adapters:
         return result
     if groups is None:                               # lora.Linear.forward, vanilla LoRA

@@ -269,7 +269,7 @@ def activation_bytes_per_token(model) -> int | None:
     """About what one token's activations take in a training forward that keeps them (no
     checkpointing): per decoder layer 8 hidden-size and 4 MLP-size vectors. For SmolLM2 that
     is 1.23 MiB per token; the tensors autograd actually saved measured 1.15 MiB
-    (docs/BENCHMARKS.md, "Checkpointing only the units that need it"). None for a config
+    (docs/BENCHMARKS.md, "The real step against the machine's limits"). None for a config
     without those sizes."""
     cfg = getattr(model, "config", None)
     cfg = getattr(cfg, "text_config", None) or cfg
